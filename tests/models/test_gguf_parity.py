@@ -1,0 +1,99 @@
+"""The float32 path on the real default GGUF reproduces transformers loading the same file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import forward_in_chunks
+from tokenloop import SamplingParams
+from tokenloop.models.loader import LoadedModel
+
+pytestmark = pytest.mark.real_model
+
+NEW_TOKENS = 32
+TOP = 5
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "Name three primary colours."}],
+    [
+        {"role": "user", "content": "Hi! Who are you?"},
+        {"role": "assistant", "content": "I am SmolLM, a small assistant."},
+        {"role": "user", "content": "Write a haiku about the sea."},
+    ],
+    [{"role": "user", "content": "用一句话介绍一下北京。"}],
+]
+LONG_PROMPT = " ".join(
+    f"Section {i}: the river town of Ashford kept {i * 7 % 23} boats, {i * 3 % 11} mills and a bell that rang at dawn."
+    for i in range(110)
+) + " In summary, the town"
+RAW_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "长城是中国古代的军事防御工程，",
+    LONG_PROMPT,
+]
+
+
+def reference_greedy(model, prompt_ids: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' model decoded greedily with its own KV cache; per-step log-probabilities of the raw logits."""
+    tokens, logprobs = [], []
+    ids, past = torch.tensor([prompt_ids]), None
+    with torch.no_grad():
+        for _ in range(steps):
+            out = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            lp = out.logits[0, -1].float().log_softmax(-1)
+            token = int(lp.argmax())
+            tokens.append(token)
+            logprobs.append(lp)
+            ids = torch.tensor([[token]])
+    return tokens, logprobs
+
+
+def prompts(llm) -> list[dict]:
+    chat = [llm.chat_prompt(c) for c in CONVERSATIONS]
+    tok = llm.get_tokenizer()
+    raw = [{"prompt": p, "prompt_token_ids": tok.encode(p)} for p in RAW_PROMPTS]
+    return chat + raw
+
+
+def test_chat_template_token_ids_match_transformers(llm_fp32, hf_reference):
+    _, hf_tok = hf_reference
+    for conversation in CONVERSATIONS:
+        expected = hf_tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        expected = expected["input_ids"] if not isinstance(expected, list) else expected
+        assert llm_fp32.chat_prompt(conversation)["prompt_token_ids"] == list(expected)
+
+
+def test_greedy_tokens_and_logprobs_match_transformers(llm_fp32, hf_reference):
+    hf_model, _ = hf_reference
+    batch = prompts(llm_fp32)
+    assert max(len(p["prompt_token_ids"]) for p in batch) > 2000
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=TOP, ignore_eos=True)
+    outputs = llm_fp32.generate(batch, params, use_tqdm=False)
+    diverged = []
+    for prompt, out in zip(batch, outputs):
+        ours = out.outputs[0]
+        ref_tokens, ref_logprobs = reference_greedy(hf_model, prompt["prompt_token_ids"], NEW_TOKENS)
+        assert len(ours.token_ids) == NEW_TOKENS
+        for step, (a, b) in enumerate(zip(ours.token_ids, ref_tokens)):
+            ref_top = ref_logprobs[step].topk(TOP).indices.tolist()
+            if a != b:
+                # vLLM's check_logprobs_close: at the first divergence each token is in the other's top-k; stop there.
+                assert a in ref_top and b in ours.logprobs[step], f"prompt {prompt.get('prompt', '')[:40]!r} step {step}"
+                diverged.append(prompt["prompt"][:40])
+                break
+            assert abs(ours.logprobs[step][a].logprob - float(ref_logprobs[step][a])) < 1e-3
+            assert set(ours.logprobs[step]) == set(ref_top) | {a}
+    assert len(diverged) <= 1, f"greedy outputs diverged for {diverged}"
+
+
+def test_parallel_forward_equals_token_by_token_decode(llm_fp32, default_model_path):
+    engine = llm_fp32.llm_engine
+    loaded = LoadedModel(engine.runner.model, engine.model_config, engine.tokenizer, default_model_path)
+    token_ids = engine.tokenizer.encode(LONG_PROMPT)[:64]
+    parallel = forward_in_chunks(loaded, token_ids, [64], block_size=16)
+    stepwise = forward_in_chunks(loaded, token_ids, [1] * 64, block_size=16)
+    torch.testing.assert_close(stepwise, parallel, atol=1e-4, rtol=0)

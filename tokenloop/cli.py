@@ -1,0 +1,169 @@
+"""The `tokenloop` command: generate, chat, models, pull."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from tokenloop.models import store
+
+
+@dataclass(slots=True)
+class StreamStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    prefill_s: float = 0.0  # request start → first token
+    decode_s: float = 0.0  # first token → last token
+
+    def summary(self) -> str:
+        prefill_rate = (self.prompt_tokens - self.cached_tokens) / self.prefill_s if self.prefill_s else 0.0
+        decode_rate = (self.output_tokens - 1) / self.decode_s if self.decode_s else 0.0
+        return (
+            f"prompt: {self.prompt_tokens} tokens ({self.cached_tokens} cached), {prefill_rate:.1f} tokens/s | "
+            f"decode: {self.output_tokens} tokens, {decode_rate:.1f} tokens/s"
+        )
+
+
+def stream(llm, prompt, params, stats: StreamStats) -> Iterator[str]:
+    """Yield the text of one request as it is produced; aborts the request if the consumer stops early."""
+    engine = llm.llm_engine
+    start = time.perf_counter()
+    request_id = engine.add_request(prompt, params)
+    shown, first = 0, None
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id != request_id:
+                    continue
+                now = time.perf_counter()
+                if first is None:
+                    first = now
+                    stats.prefill_s = now - start
+                    stats.prompt_tokens, stats.cached_tokens = len(out.prompt_token_ids), out.num_cached_tokens
+                stats.output_tokens, stats.decode_s = len(out.outputs[0].token_ids), now - first
+                text = out.outputs[0].text
+                if len(text) > shown:
+                    yield text[shown:]
+                    shown = len(text)
+    finally:
+        engine.abort_request(request_id)  # no-op once finished; frees the blocks on Ctrl-C
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=None, help=f"known name, .gguf file or HF folder (default {store.DEFAULT_MODEL})")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--device", default=None, help="torch device (default: the accelerator if any, else the CPU)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stats", action="store_true", help="print prompt and decode tokens/s")
+
+
+def _sampling_params(args):
+    from tokenloop.sampling.params import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+        max_tokens=args.max_tokens, stop=args.stop,
+    )
+
+
+def _llm(args):
+    from tokenloop.llm import LLM
+
+    return LLM(args.model, dtype=args.dtype, device=args.device)
+
+
+def cmd_generate(args) -> int:
+    params = _sampling_params(args)
+    llm = _llm(args)
+    stats = StreamStats()
+    for delta in stream(llm, args.prompt, params, stats):
+        print(delta, end="", flush=True)
+    print()
+    if args.stats:
+        print(stats.summary(), file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    params = _sampling_params(args)
+    llm = _llm(args)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict[str, str]] = []
+    print("Chat with the model. /reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            user = input("> ")
+        except EOFError:
+            print()
+            return 0
+        if user.strip() == "/exit":
+            return 0
+        if user.strip() == "/reset":
+            history.clear()
+            continue
+        if not user.strip():
+            continue
+        history.append({"role": "user", "content": user})
+        stats = StreamStats()
+        reply = ""
+        # Earlier turns are still in the prefix cache: only the new turn is prefilled.
+        for delta in stream(llm, llm.chat_prompt(system + history), params, stats):
+            reply += delta
+            print(delta, end="", flush=True)
+        print()
+        history.append({"role": "assistant", "content": reply})
+        if args.stats:
+            print(stats.summary(), file=sys.stderr)
+
+
+def cmd_models(args) -> int:
+    for name, model in store.KNOWN_MODELS.items():
+        where = str(store.cached_path(name)) if store.is_pulled(name) else "not pulled"
+        default = " (default)" if name == store.DEFAULT_MODEL else ""
+        print(f"{name}{default}\n  {model.description}\n  {where}")
+    return 0
+
+
+def cmd_pull(args) -> int:
+    print(store.pull(args.name))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokenloop", description="Generate text with LLMs, token by token.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("generate", help="stream the continuation of a prompt")
+    p.add_argument("prompt")
+    _add_model_args(p)
+    p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("chat", help="multi-turn chat in the terminal")
+    p.add_argument("--system", default=None, help="system message")
+    _add_model_args(p)
+    p.set_defaults(func=cmd_chat)
+    sub.add_parser("models", help="list known models").set_defaults(func=cmd_models)
+    p = sub.add_parser("pull", help="fetch a known model into the local store")
+    p.add_argument("name")
+    p.set_defaults(func=cmd_pull)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""KV block manager: hands out fixed-size cache blocks, counts references, caches full blocks by prefix hash.
+
+It counts integers only; the tensors live in the model runner. A full block is keyed by a hash chained to
+its parent's hash and its own token ids, so equal keys mean equal prefixes (token ids are compared on a hit
+as well, so a hash collision can never serve the wrong cache).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from tokenloop.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None  # set once the block is full and its K/V computed
+    token_ids: tuple[int, ...] = ()
+
+
+def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent_hash, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Unreferenced blocks in eviction order (least recently freed first); O(1) removal from the middle
+        # when a cache hit revives one. Cached contents survive here until the block is handed out again.
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # chain hash → block id
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """New blocks `seq` needs so that its first `num_tokens` tokens have slots."""
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    def match_prefix(self, seq: Sequence) -> None:
+        """Take cached blocks for the longest cached prefix of a sequence that holds no blocks yet.
+
+        The last prompt token is always recomputed, since its logits are needed to sample.
+        """
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return
+        parent = None
+        for start in range(0, seq.num_tokens - 1 - self.block_size + 1, self.block_size):
+            tokens = tuple(seq.token_ids[start : start + self.block_size])
+            parent = chain_hash(parent, tokens)
+            block_id = self.cached.get(parent)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            self._take(block_id)
+            seq.block_table.append(block_id)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give `seq` slots for its first `num_tokens` tokens; False (and nothing taken) if blocks run out."""
+        needed = self.blocks_needed(seq, num_tokens)
+        if needed > len(self.free_queue):
+            return False
+        for _ in range(needed):
+            block_id = next(iter(self.free_queue))
+            self._evict(block_id)
+            self._take(block_id)
+            seq.block_table.append(block_id)
+        return True
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register every block of `seq` that is now full of computed tokens under its chain hash."""
+        if not self.enable_prefix_caching:
+            return
+        parent = None
+        for i, block_id in enumerate(seq.block_table[: seq.num_computed_tokens // self.block_size]):
+            block = self.blocks[block_id]
+            if block.hash is None:
+                block.token_ids = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+                block.hash = chain_hash(parent, block.token_ids)
+                self.cached.setdefault(block.hash, block_id)
+            parent = block.hash
+
+    def free(self, seq: Sequence) -> None:
+        """Drop `seq`'s references, tail first, so that the tail of a prefix chain is evicted first."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+        seq.block_table.clear()
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_queue[block_id]
+        block.ref_count += 1
+
+    def _evict(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.hash is not None and self.cached.get(block.hash) == block_id:
+            del self.cached[block.hash]
+        block.hash, block.token_ids = None, ()

@@ -1,0 +1,154 @@
+"""LLMEngine: add_request / abort_request / step over a scheduler, a KV block manager and a model runner.
+
+One step is: schedule (integers) → run the model (tensors) → process outputs (token ids back to lists, text).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from tokenloop.engine.block_manager import BlockManager
+from tokenloop.engine.model_runner import ModelRunner, kv_bytes_per_block
+from tokenloop.engine.output_processor import OutputProcessor, RequestState
+from tokenloop.engine.scheduler import Scheduler
+from tokenloop.engine.sequence import Sequence
+from tokenloop.models.loader import load_model
+from tokenloop.outputs import RequestOutput
+from tokenloop.sampling.params import SamplingParams
+from tokenloop.tokenizer.detokenizer import IncrementalDetokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+Prompt = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt": ...} / {"prompt_token_ids": ...}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # known name, .gguf file or Hugging Face folder; None = the default model
+    dtype: str = "auto"  # "float32" (exact reference path), "bfloat16", "float16"; "auto" = float32 for now
+    device: str | None = None  # None = the first accelerator torch finds, else the CPU
+    block_size: int = 16  # tokens per KV cache block
+    kv_cache_gb: float = 1.0  # memory for the KV block pool
+    max_num_seqs: int = 64  # sequences in one step at most
+    max_num_batched_tokens: int = 2048  # tokens in one step at most (decodes plus prefill chunks)
+    max_model_len: int | None = None  # context length; None = the model's own
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.kv_cache_gb > 0:
+            raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES["float32" if self.dtype == "auto" else self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device is not None:
+            return torch.device(self.device)
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        return accelerator if accelerator is not None else torch.device("cpu")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        dtype, device = config.torch_dtype, config.torch_device
+        loaded = load_model(config.model, dtype, device)
+        self.model_path = loaded.path
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings)
+        num_blocks = int(config.kv_cache_gb * 2**30) // kv_bytes_per_block(loaded.config, config.block_size, dtype)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_gb={config.kv_cache_gb} does not hold one KV block of this model")
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, dtype, device)
+        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.requests: dict[str, RequestState] = {}
+        self._ids = itertools.count()
+
+    def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" not in prompt:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list | tuple):
+            return None, list(prompt)
+        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        text, token_ids = self.tokenize_prompt(prompt)
+        self._validate_prompt(token_ids, params)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if params.max_tokens is None:  # up to the context length
+            params = replace(params, max_tokens=self.max_model_len - len(token_ids))
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(self.config.torch_device).manual_seed(params.seed)
+        seq = Sequence(request_id, token_ids, len(token_ids), params, generator)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens)
+        self.requests[request_id] = RequestState(seq, text, detokenizer)
+        self.scheduler.add(seq)
+        return request_id
+
+    def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if bad := [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]:
+            raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+        wanted = len(token_ids) + (params.max_tokens or 1)
+        if wanted > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens and max_tokens is {params.max_tokens}: "
+                f"{wanted} tokens exceed the context length of {self.max_model_len}"
+            )
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if wanted > capacity:
+            raise ValueError(f"{wanted} tokens (prompt plus max_tokens) exceed the KV cache's {capacity} tokens")
+
+    def abort_request(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            self.scheduler.finish(state.seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass; returns an output for every request that got a new token."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        sampled_indices, samples = self.runner.execute(batch)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+        outputs = []
+        for row, index in enumerate(sampled_indices):
+            state = self.requests[batch.seqs[index].request_id]
+            self.output_processor.append(state, samples, row)
+            outputs.append(self.output_processor.make_output(state))
+            if state.seq.finish_reason is not None:
+                self.scheduler.finish(state.seq)
+                del self.requests[state.seq.request_id]
+        return outputs
+

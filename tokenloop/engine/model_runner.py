@@ -1,0 +1,93 @@
+"""Model runner: the only place tensors are built. Owns the KV cache, runs the forward pass, samples.
+
+The KV cache is one preallocated pool per layer, [num_blocks * block_size, kv_heads, head_dim], written in place.
+A token at position p of a sequence lives in slot block_table[p // block_size] * block_size + p % block_size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tokenloop.engine.scheduler import ScheduledBatch
+from tokenloop.models.attention import AttentionMetadata
+from tokenloop.models.config import ModelConfig
+from tokenloop.sampling.sampler import Sampler, SamplerOutput, SamplingBatch
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
+
+
+@dataclass(slots=True)
+class ModelInput:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [S] flat row of the last token of each sequence that samples this step
+    sample_seq_indices: list[int]  # [S] which sequences of the batch sample (their prefill has caught up)
+
+
+class ModelRunner:
+    def __init__(
+        self, model: nn.Module, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.model, self.config, self.block_size, self.device = model, config, block_size, device
+        shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
+        for attn in model.attention_layers():
+            attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+            attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.sampler = Sampler()
+
+    def prepare(self, batch: ScheduledBatch) -> ModelInput:
+        device, bs = self.device, self.block_size
+        starts_list = [seq.num_computed_tokens for seq in batch.seqs]
+        input_ids = [t for seq, s, n in zip(batch.seqs, starts_list, batch.num_new_tokens) for t in seq.token_ids[s : s + n]]
+        starts = torch.tensor(starts_list, device=device)  # [B]
+        lens = torch.tensor(batch.num_new_tokens, device=device)  # [B]
+        num_q, num_k = max(batch.num_new_tokens), max(s + n for s, n in zip(starts_list, batch.num_new_tokens))
+        max_blocks = max(len(seq.block_table) for seq in batch.seqs)
+        block_tables = torch.tensor([seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in batch.seqs], device=device)
+
+        q_offsets = torch.arange(num_q, device=device)
+        q_pos = starts[:, None] + q_offsets[None, :]  # [B, Q]
+        q_valid = q_offsets[None, :] < lens[:, None]  # [B, Q]
+        k_pos = torch.arange(num_k, device=device)
+        key_slots = block_tables[:, k_pos // bs] * bs + k_pos % bs  # [B, K]; padding keys point at block 0
+        mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, Q, K] causal; padding queries still see key 0 (no NaN)
+        if self.config.sliding_window is not None:
+            mask &= k_pos[None, None, :] > q_pos[:, :, None] - self.config.sliding_window
+        ends = lens.cumsum(0)
+        query_index = torch.where(q_valid, (ends - lens)[:, None] + q_offsets[None, :], 0)
+        slot_mapping = key_slots.gather(1, q_pos.clamp(max=num_k - 1))[q_valid]
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            query_index=query_index,
+            output_index=q_valid.flatten().nonzero().squeeze(1),
+            key_slots=key_slots,
+            mask=mask.unsqueeze(1),
+        )
+        sample_seq_indices = [i for i, (seq, s, n) in enumerate(zip(batch.seqs, starts_list, batch.num_new_tokens)) if s + n == seq.num_tokens]
+        return ModelInput(
+            input_ids=torch.tensor(input_ids, device=device),
+            positions=q_pos[q_valid],
+            meta=meta,
+            sample_rows=(ends - 1)[sample_seq_indices],
+            sample_seq_indices=sample_seq_indices,
+        )
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[list[int], SamplerOutput | None]:
+        """Run one step; returns the batch indices of the sequences that sampled, and their samples."""
+        inp = self.prepare(batch)
+        hidden = self.model(inp.input_ids, inp.positions, inp.meta)
+        if not inp.sample_seq_indices:
+            return [], None
+        logits = self.model.compute_logits(hidden[inp.sample_rows]).float()
+        seqs = [batch.seqs[i] for i in inp.sample_seq_indices]
+        sampling = SamplingBatch.from_params(
+            [s.params for s in seqs], [s.generator for s in seqs], logits.shape[-1], logits.device
+        )
+        return inp.sample_seq_indices, self.sampler(logits, sampling)

@@ -1,0 +1,49 @@
+"""Sequence: the plain-Python state of one request as the engine sees it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenloop.sampling.params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Sequence:
+    request_id: str
+    token_ids: list[int]  # prompt followed by the generated tokens
+    num_prompt_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None = None  # per-request RNG when params.seed is set
+    status: SequenceStatus = SequenceStatus.WAITING
+    # Tokens whose K/V are in the cache. It catches up with len(token_ids): one rule for prefill,
+    # chunked prefill and prefix-cache hits. The newest sampled token is never computed yet.
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # how many prompt tokens came from the prefix cache
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" or "length"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

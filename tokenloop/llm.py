@@ -1,0 +1,70 @@
+"""LLM: the offline API, shaped like vLLM's (`LLM(...).generate(prompts, SamplingParams(...))`, `.chat(...)`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from tokenloop.engine.llm_engine import EngineConfig, LLMEngine, Prompt
+from tokenloop.outputs import RequestOutput
+from tokenloop.sampling.params import SamplingParams
+from tokenloop.tokenizer.tokenizer import Tokenizer
+
+Conversation = list[dict[str, str]]
+
+
+class LLM:
+    def __init__(self, model: str | os.PathLike | None = None, **engine_args) -> None:
+        """`model`: a known name (default smollm2-135m-instruct), a .gguf file or a Hugging Face folder.
+        Other keyword arguments are EngineConfig fields (dtype, device, kv_cache_gb, ...)."""
+        self.llm_engine = LLMEngine(EngineConfig(model=None if model is None else os.fspath(model), **engine_args))
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the prompts' order."""
+        if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        engine = self.llm_engine
+        # Validate every prompt before any runs, so a bad one does not leave the others half-done.
+        for prompt, params in zip(prompts, sampling_params):
+            engine._validate_prompt(engine.tokenize_prompt(prompt)[1], params)
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generating", disable=not use_tqdm or len(ids) < 2) as bar:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        return [finished[i] for i in ids]
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.chat_prompt(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def chat_prompt(self, conversation: Conversation, add_generation_prompt: bool = True) -> dict:
+        """A conversation as a prompt: the template's text and its token ids (special tokens parsed)."""
+        tokenizer = self.get_tokenizer()
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+        return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}

@@ -1,0 +1,52 @@
+"""Attention over the KV cache: write the new tokens' K/V into their slots, attend over each sequence's slots.
+
+One rule covers prompt prefill, chunked prefill and decode: every forward carries some new tokens of
+several sequences (flattened to T rows), and each sequence attends to all of its cached tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where a batch's new tokens sit in the KV cache; built by the model runner, read by every layer.
+
+    B sequences, T new tokens in all, Q = most new tokens of one sequence, K = longest context.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: the cache slot each new token's K/V is written to
+    query_index: torch.Tensor  # [B, Q] int64: row of each sequence's new tokens in the flat batch (padding → 0)
+    output_index: torch.Tensor  # [T] int64: position of each flat token in the padded [B * Q] output
+    key_slots: torch.Tensor  # [B, K] int64: cache slots of each sequence's context, in position order (padding → 0)
+    mask: torch.Tensor  # [B, 1, Q, K] bool: True where a query may attend a key (causal, in-context, in-window)
+
+
+class KVCacheAttention(nn.Module):
+    """Scaled dot-product attention whose keys and values live in one preallocated cache per layer."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        # Bound by the model runner: [num_slots, num_kv_heads, head_dim] each, updated in place.
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # q: (T, num_heads, head_dim); k, v: (T, num_kv_heads, head_dim)
+        self.k_cache.index_copy_(0, meta.slot_mapping, k)
+        self.v_cache.index_copy_(0, meta.slot_mapping, v)
+        keys = self.k_cache[meta.key_slots].transpose(1, 2)  # (B, num_kv_heads, K, head_dim)
+        values = self.v_cache[meta.key_slots].transpose(1, 2)
+        queries = q[meta.query_index].transpose(1, 2)  # (B, num_heads, Q, head_dim)
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=meta.mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads
+        )  # (B, num_heads, Q, head_dim)
+        out = out.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)  # (B * Q, hidden)
+        return out[meta.output_index]  # (T, hidden)

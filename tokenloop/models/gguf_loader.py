@@ -1,0 +1,104 @@
+"""GGUF checkpoints: metadata → ModelConfig, tensors → Hugging Face-named weights (dequantized one at a time)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from gguf.quants import dequantize
+
+from tokenloop.models.config import ModelConfig
+
+# GGUF's general.architecture → Hugging Face class name. Mistral GGUFs declare "llama".
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+T = gguf.GGMLQuantizationType
+SUPPORTED_TENSOR_TYPES = {T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    num_heads = get("attention.head_count")
+    hidden = get("embedding_length")
+    rope_scaling = None
+    if meta.get(f"{arch}.rope.scaling.type", "none") not in ("none", None):
+        raise ValueError(f"unsupported GGUF rope scaling {meta[f'{arch}.rope.scaling.type']!r}")
+    if "rope_freqs.weight" in tensor_names:
+        raise ValueError("unsupported GGUF tensor rope_freqs.weight (llama3 rope scaling stored as a tensor)")
+    return ModelConfig(
+        architecture=GGUF_ARCHITECTURES[arch],
+        vocab_size=meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"]),
+        hidden_size=hidden,
+        intermediate_size=get("feed_forward_length"),
+        num_layers=get("block_count"),
+        num_heads=num_heads,
+        num_kv_heads=get("attention.head_count_kv", num_heads),
+        head_dim=get("attention.key_length", hidden // num_heads),
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon"),
+        rope_theta=get("rope.freq_base", 10000.0),
+        max_position_embeddings=get("context_length"),
+        rope_scaling=rope_scaling,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        sliding_window=meta.get(f"{arch}.attention.sliding_window"),
+    )
+
+
+def hf_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK_TENSOR.fullmatch(gguf_name)
+    if m is None or m.group(2) not in _BLOCK_NAMES:
+        raise ValueError(f"unsupported GGUF tensor {gguf_name!r}")
+    return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def iter_gguf_weights(reader: gguf.GGUFReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, float32 tensor), dequantizing one tensor at a time from the memory map."""
+    permute_qk = reader.fields["general.architecture"].contents() == "llama"
+    for t in reader.tensors:
+        if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
+            supported = ", ".join(sorted(q.name for q in SUPPORTED_TENSOR_TYPES))
+            raise ValueError(f"tensor {t.name!r} has unsupported type {t.tensor_type.name} (supported: {supported})")
+        weights = dequantize(t.data, t.tensor_type)
+        if permute_qk and t.name.endswith((".attn_q.weight", ".attn_k.weight")):
+            heads = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
+            weights = unpermute_rope_rows(weights, heads)
+        yield hf_name(t.name), torch.from_numpy(np.require(weights, requirements=["C", "W"]))
+
+
+def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs) back to rotate-half order."""
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -1,0 +1,124 @@
+"""The Llama family decoder (Llama, Mistral, Qwen2): GQA attention with RoPE, RMSNorm, SwiGLU.
+
+The forward takes the new tokens of several sequences flattened into one batch, with their positions
+and the attention metadata that says where their K/V go in the cache and what each one attends to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from tokenloop.models.attention import AttentionMetadata, KVCacheAttention
+from tokenloop.models.config import ModelConfig
+from tokenloop.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.head_dim = config.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.rotary = rotary
+        self.attn = KVCacheAttention(config.num_heads, config.num_kv_heads, config.head_dim)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.q_size // self.head_dim, self.head_dim)  # (T, num_heads, head_dim)
+        k = k.view(-1, self.kv_size // self.head_dim, self.head_dim)  # (T, num_kv_heads, head_dim)
+        v = v.view(-1, self.kv_size // self.head_dim, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DecoderAttention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint tensors that pack into one of our parameters: name → (our name, shard index).
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """(T,) token ids and positions → (T, hidden) final hidden states."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)  # (N, vocab)
+
+    def attention_layers(self) -> list[KVCacheAttention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def shard_sizes(self, packed_name: str) -> list[int]:
+        c = self.config
+        if packed_name == "qkv_proj":
+            return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+        return [c.intermediate_size, c.intermediate_size]
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into the parameters, packing q/k/v and gate/up.
+
+        Every parameter (every shard of a packed one) must be written: a missing or unexpected tensor raises ValueError.
+        """
+        params = dict(self.named_parameters())
+        packed_names = {packed for packed, _ in self.packed_modules.values()}
+        expected = set()
+        for name in params:
+            module = name.split(".")[-2]
+            expected |= {(name, i) for i in range(len(self.shard_sizes(module)))} if module in packed_names else {(name, 0)}
+        written = set()
+        for ckpt_name, tensor in weights:
+            name = ckpt_name.removeprefix("model.")
+            if self.config.tie_word_embeddings and name == "lm_head.weight":
+                continue  # some checkpoints store the tied head anyway
+            target, shard, rows = name, 0, slice(None)
+            for ckpt_part, (packed, shard_index) in self.packed_modules.items():
+                if f".{ckpt_part}." in name:
+                    sizes = self.shard_sizes(packed)
+                    start = sum(sizes[:shard_index])
+                    target, shard, rows = name.replace(ckpt_part, packed), shard_index, slice(start, start + sizes[shard_index])
+                    break
+            if target not in params:
+                raise ValueError(f"unexpected tensor {ckpt_name!r} in the checkpoint")
+            dest = params[target][rows]
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(f"tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            written.add((target, shard))
+        if missing := sorted(expected - written):
+            raise ValueError(f"checkpoint is missing tensors for: {[name for name, _ in missing[:8]]}")

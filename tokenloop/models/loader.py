@@ -1,0 +1,58 @@
+"""Load a model from a known name, a .gguf file or a Hugging Face folder: weights, config and tokenizer."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tokenloop.models import store
+from tokenloop.models.config import ModelConfig
+from tokenloop.models.gguf_loader import config_from_gguf, iter_gguf_weights
+from tokenloop.models.gguf_metadata import open_gguf, read_metadata
+from tokenloop.models.hf_loader import config_from_folder, iter_safetensors_weights
+from tokenloop.models.registry import model_class
+from tokenloop.tokenizer.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: nn.Module
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    path: Path
+
+
+def load_model(
+    name_or_path: str | os.PathLike | None, dtype: torch.dtype, device: torch.device, load_tokenizer: bool = True
+) -> LoadedModel:
+    path = store.resolve(name_or_path)
+    if path.is_dir():
+        config = config_from_folder(path)
+        weights: Iterable[tuple[str, torch.Tensor]] = iter_safetensors_weights(path)
+        tokenizer = Tokenizer.from_hf_folder(path) if load_tokenizer else None
+    else:
+        reader = open_gguf(path)
+        meta = read_metadata(reader)
+        config = config_from_gguf(meta, {t.name for t in reader.tensors})
+        weights = iter_gguf_weights(reader, config)
+        tokenizer = Tokenizer.from_gguf_metadata(meta) if load_tokenizer else None
+    model = build_model(config, dtype, device)
+    model.load_weights(weights)
+    return LoadedModel(model=model.eval(), config=config, tokenizer=tokenizer, path=path)
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """Parameters are created directly in their dtype on their device (no float32 copy on the way)."""
+    cls = model_class(config.architecture)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return cls(config)
+    finally:
+        torch.set_default_dtype(previous)

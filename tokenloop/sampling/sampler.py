@@ -1,0 +1,168 @@
+"""The batched sampler: per-row sampling parameters as tensors, logits in, token ids (and logprobs) out.
+
+Order as in vLLM v1: raw logprobs → greedy argmax → temperature → min-p → top-k → top-p → exponential race.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenloop.sampling.params import SamplingParams
+
+# Temperatures below this are treated as greedy (as vLLM's _SAMPLING_EPS): dividing by them overflows.
+SAMPLING_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row sampling parameters of one batch as tensors (rows = sequences in the step)."""
+
+    temperature: torch.Tensor  # [B] float32; 0 for greedy rows
+    top_k: torch.Tensor  # [B] int64; vocab_size where off
+    top_p: torch.Tensor  # [B] float32; 1.0 where off
+    min_p: torch.Tensor  # [B] float32; 0.0 where off
+    generators: list[torch.Generator | None]  # per row; None = use the default generator
+    max_num_logprobs: int  # max over rows of params.logprobs (None -> 0); -1 if no row wants logprobs
+    all_greedy: bool
+    all_random: bool
+    # Whether any random row uses the processor; greedy rows never count, their samples are discarded.
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+
+    @classmethod
+    def from_params(
+        cls,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        vocab_size: int,
+        device: torch.device,
+    ) -> SamplingBatch:
+        if len(generators) != len(params):
+            raise ValueError(f"generators must have one entry per row, got {len(generators)} for {len(params)} rows")
+        greedy = [p.temperature < SAMPLING_EPS for p in params]
+        random_rows = [p for p, g in zip(params, greedy) if not g]
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=torch.tensor(
+                [0.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32, device=device
+            ),
+            top_k=torch.tensor(
+                [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], dtype=torch.int64, device=device
+            ),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            generators=list(generators),
+            max_num_logprobs=min(max(wanted), vocab_size) if wanted else -1,
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+            any_top_k=any(0 < p.top_k < vocab_size for p in random_rows),
+            any_top_p=any(p.top_p < 1.0 for p in random_rows),
+            any_min_p=any(p.min_p > 0.0 for p in random_rows),
+        )
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64, the chosen tokens
+    # [B, 1 + K]: column 0 = the chosen token, then the top K (K = max_num_logprobs) sorted descending;
+    # None when no row wants logprobs. Every row gets K columns; the engine slices per row.
+    logprobs: torch.Tensor | None  # float32
+    logprob_token_ids: torch.Tensor | None  # int64
+    ranks: torch.Tensor | None  # [B] int64: 1-based rank of the chosen token in the raw distribution
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) tokens whose probability is below min_p[row] × the row's top probability."""
+    probs = logits.softmax(dim=-1)  # [B, V]
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [B, 1]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top k, then outside the top-p nucleus of what is left.
+
+    top-k keeps exactly k tokens; among equal logits the lower token id wins (as torch.argmax).
+    top-p keeps the smallest prefix of the descending-sorted probabilities (renormalised after top-k)
+    whose mass reaches p, and always the top token. One stable sort per batch serves both.
+    """
+    if k is None and p is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [B, V] each
+    if k is not None:
+        position = torch.arange(logits.shape[-1], device=logits.device)  # [V]
+        sorted_logits = sorted_logits.masked_fill(position >= k.unsqueeze(1), float("-inf"))
+    if p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        # Mass from each position to the end; a token is dropped when the tokens before it already reach p,
+        # i.e. when its tail mass is <= 1 - p. Summing the tail (not the head) makes p = 1 drop exactly nothing.
+        tail_mass = probs.flip(-1).cumsum(dim=-1).flip(-1)
+        drop = tail_mass <= 1.0 - p.unsqueeze(1)
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def random_sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Sample one token per row by the exponential race: argmax(probs / q), q ~ Exp(1), same law as multinomial.
+
+    A row with its own generator draws its q row alone, so its tokens do not depend on the batch around it.
+    """
+    q = torch.empty_like(probs)
+    if any(g is None for g in generators):
+        q.exponential_()
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            q[row].exponential_(generator=generator)
+    # Some backends' exponential_ can return 0; 0 / 0 = NaN would win the argmax on a masked token.
+    q.clamp_(min=torch.finfo(q.dtype).tiny)
+    return (probs / q).argmax(dim=-1)
+
+
+class Sampler(torch.nn.Module):
+    """Chooses one token per row from logits [B, V] (any float dtype; computed in float32)."""
+
+    def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        logits = logits.float()  # may alias the caller's tensor: nothing below writes into it
+        # Logprobs are of the raw model distribution, before temperature and the processors.
+        raw_logprobs = logits.log_softmax(dim=-1) if batch.max_num_logprobs >= 0 else None
+        if batch.all_greedy:
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = self._sample(logits, batch)
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids=token_ids, logprobs=None, logprob_token_ids=None, ranks=None)
+        return gather_logprobs(raw_logprobs, token_ids, batch.max_num_logprobs)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        is_greedy = batch.temperature < SAMPLING_EPS  # [B]
+        # Greedy rows sample at temperature 1 (no division by 0); their draw is replaced by the argmax below.
+        temperature = torch.where(is_greedy, 1.0, batch.temperature)
+        scaled = logits / temperature.unsqueeze(1)
+        if batch.any_min_p:
+            scaled = apply_min_p(scaled, batch.min_p)
+        scaled = apply_top_k_top_p(
+            scaled, batch.top_k if batch.any_top_k else None, batch.top_p if batch.any_top_p else None
+        )
+        sampled = random_sample(scaled.softmax(dim=-1), batch.generators)
+        if batch.all_random:
+            return sampled
+        return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> SamplerOutput:
+    """Chosen token's logprob and rank, then the top num_logprobs, from logprobs [B, V]."""
+    chosen_ids = token_ids.unsqueeze(1)  # [B, 1]
+    chosen = logprobs.gather(-1, chosen_ids)  # [B, 1]
+    # As vLLM: rank = number of tokens at least as likely as the chosen one (ties share the worst rank).
+    ranks = (logprobs >= chosen).sum(dim=-1)
+    top_values, top_ids = logprobs.topk(num_logprobs, dim=-1)  # [B, K], sorted descending
+    return SamplerOutput(
+        token_ids=token_ids,
+        logprobs=torch.cat([chosen, top_values], dim=1),
+        logprob_token_ids=torch.cat([chosen_ids, top_ids], dim=1),
+        ranks=ranks,
+    )

@@ -1,0 +1,110 @@
+"""The tokenizer the engine talks to: text <-> token ids, special tokens, and the chat template.
+
+Built from a GGUF file's metadata or from a Hugging Face folder; either way a Rust `tokenizers.Tokenizer` does the work.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+from tokenloop.tokenizer.chat_template import render_chat_template
+from tokenloop.tokenizer.gguf_tokenizer import build_gguf_tokenizer, gguf_end_of_generation_ids
+
+
+@dataclass(slots=True)
+class Tokenizer:
+    """Wraps a `tokenizers.Tokenizer` (Rust) plus the model's special tokens and chat template."""
+
+    backend: tokenizers.Tokenizer = field(repr=False)  # its post-processor adds BOS (and EOS) for add_special_tokens
+    vocab_size: int  # ids the tokenizer knows; a model's embedding may have more rows
+    bos_token_id: int | None
+    eos_token_id: int | None
+    chat_template: str | None = field(repr=False)
+    eos_token_ids: list[int] = field(default_factory=list)  # every id that ends generation, eos first
+    bos_token: str | None = field(init=False)
+    eos_token: str | None = field(init=False)
+    add_bos_token: bool = field(init=False)  # whether encode(add_special_tokens=True) prepends BOS
+
+    def __post_init__(self) -> None:
+        self.bos_token = None if self.bos_token_id is None else self.backend.id_to_token(self.bos_token_id)
+        self.eos_token = None if self.eos_token_id is None else self.backend.id_to_token(self.eos_token_id)
+        eos = [self.eos_token_id] if self.eos_token_id is not None else []
+        self.eos_token_ids = list(dict.fromkeys(eos + self.eos_token_ids))
+        first = self.backend.encode("", add_special_tokens=True).ids[:1]
+        self.add_bos_token = self.bos_token_id is not None and first == [self.bos_token_id]
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
+        """meta: GGUF key -> Python value, as `tokenloop.models.gguf_metadata.read_metadata` returns it."""
+        return cls(
+            backend=build_gguf_tokenizer(meta),
+            vocab_size=len(meta["tokenizer.ggml.tokens"]),
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+            chat_template=meta.get("tokenizer.chat_template"),
+            eos_token_ids=gguf_end_of_generation_ids(meta),
+        )
+
+    @classmethod
+    def from_hf_folder(cls, path: str | Path) -> Tokenizer:
+        """tokenizer.json and tokenizer_config.json, plus generation_config.json and chat_template.jinja if present."""
+        path = Path(path)
+        backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        config = _read_json(path / "tokenizer_config.json")
+        generation = _read_json(path / "generation_config.json")
+        extra_eos = generation.get("eos_token_id")  # an id or a list of ids
+        bos, eos = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
+        return cls(
+            backend=backend,
+            vocab_size=backend.get_vocab_size(with_added_tokens=True),
+            bos_token_id=None if bos is None else backend.token_to_id(bos),
+            eos_token_id=None if eos is None else backend.token_to_id(eos),
+            chat_template=_hf_chat_template(path, config),
+            eos_token_ids=[] if extra_eos is None else extra_eos if isinstance(extra_eos, list) else [extra_eos],
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Special and added tokens written in the text (e.g. "<|im_start|>") become their own ids."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        return [self.backend.id_to_token(i) for i in ids]
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False, **kwargs: Any
+    ) -> str | list[int]:
+        """The prompt for `messages`; as token ids when tokenize, without adding BOS (the template writes its own)."""
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template; pass a plain prompt instead")
+        text = render_chat_template(
+            self.chat_template, messages, add_generation_prompt, self.bos_token, self.eos_token, **kwargs
+        )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _token_text(token: str | dict | None) -> str | None:
+    # tokenizer_config.json writes a special token either as its text or as a serialized AddedToken
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _hf_chat_template(path: Path, config: dict[str, Any]) -> str | None:
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        template = {t["name"]: t["template"] for t in template}.get("default")
+    return template
