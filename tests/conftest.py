@@ -1,4 +1,5 @@
-"""Session-wide fixtures: the default model (pulled into the model store once) and its transformers reference."""
+"""Session-wide fixtures: the default model (pulled into the model store once), its transformers reference,
+and a tiny random Llama with a tiny tokenizer saved as a Hugging Face folder for fast tests."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers import write_tiny_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -31,3 +34,27 @@ def hf_reference(default_model_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
     return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_model_folder(tmp_path_factory) -> Path:
+    transformers = pytest.importorskip("transformers")
+    folder = write_tiny_tokenizer(tmp_path_factory.mktemp("tiny_llama"))
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    # Sharper logits than the random init gives, so that greedy choices are not near-ties.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_model_folder):
+    from tokenloop import LLM
+
+    return LLM(tiny_model_folder, dtype="float32", device="cpu", kv_cache_gb=0.01)

@@ -31,8 +31,8 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the prompts' order."""
-        if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        is_batch = isinstance(prompts, list | tuple) and not (prompts and isinstance(prompts[0], int))
+        prompts = list(prompts) if is_batch else [prompts]  # a single prompt may itself be a list of token ids
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):

@@ -15,7 +15,7 @@ from tokenloop.models.gguf_metadata import open_gguf, read_metadata
 from tokenloop.tokenizer.detokenizer import IncrementalDetokenizer
 from tokenloop.tokenizer.tokenizer import Tokenizer
 
-from .conftest import CORPUS
+from tests.helpers import CORPUS
 
 TEXTS = [
     "Hello world! Hello tokenizers.",

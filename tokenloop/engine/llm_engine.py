@@ -86,6 +86,8 @@ class LLMEngine:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
             prompt = prompt["prompt"]
         if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, list | tuple):
             return None, list(prompt)

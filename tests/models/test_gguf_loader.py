@@ -1,0 +1,140 @@
+"""GGUF loading on tiny files written here from tiny transformers models: names, llama.cpp's Q/K permutation,
+quantized tensor types, Qwen2 biases, tied embeddings; and clear errors for what is not supported."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import quantize
+
+from tests.helpers import forward_in_chunks
+from tokenloop.models.gguf_loader import hf_name
+from tokenloop.models.loader import load_model
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0)
+GGUF_NAMES = {v: k for k, v in {
+    "token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}.items()}
+Q = gguf.GGMLQuantizationType
+
+
+def gguf_name(name: str) -> str:
+    parts = name.removeprefix("model.").split(".")
+    if parts[0] == "layers":
+        return f"blk.{parts[1]}.{GGUF_NAMES['.'.join(parts[2:-1])]}.{parts[-1]}"
+    return f"{GGUF_NAMES[parts[0]]}.{parts[-1]}"
+
+
+def permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert script: rotate-half pairs become interleaved rows."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model, arch: str, path: Path, qtype: Q, extra_tensor: str | None = None) -> Path:
+    c = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(TINY["rope_theta"])
+    w.add_vocab_size(c.vocab_size)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        data = tensor.float().numpy()
+        if arch == "llama" and ("q_proj.weight" in name or "k_proj.weight" in name):
+            data = permute(data, c.num_attention_heads if "q_proj" in name else c.num_key_value_heads)
+        if data.ndim == 2 and qtype != Q.F32:
+            w.add_tensor(gguf_name(name), quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_name(name), data)
+    if extra_tensor:
+        w.add_tensor(extra_tensor, np.zeros(4, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny_model(request):
+    torch.manual_seed(0)
+    if request.param == "llama":
+        config = transformers.LlamaConfig(**TINY, tie_word_embeddings=False)
+    else:
+        config = transformers.Qwen2Config(**TINY, tie_word_embeddings=True)
+    return request.param, transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+TOKENS = list(range(3, 90, 4))
+
+
+def our_logits(path: Path) -> torch.Tensor:
+    loaded = load_model(path, torch.float32, torch.device("cpu"), load_tokenizer=False)
+    return forward_in_chunks(loaded, TOKENS, [len(TOKENS)])
+
+
+def test_float32_gguf_gives_the_original_models_logits(tiny_model, tmp_path):
+    arch, model = tiny_model
+    with torch.no_grad():
+        expected = model(torch.tensor([TOKENS])).logits[0]
+    torch.testing.assert_close(our_logits(write_gguf(model, arch, tmp_path / "m.gguf", Q.F32)), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_quantized_gguf_matches_transformers_on_the_same_file(tiny_model, tmp_path, qtype):
+    arch, model = tiny_model
+    path = write_gguf(model, arch, tmp_path / "m.gguf", qtype)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+    with torch.no_grad():
+        expected = reference.eval()(torch.tensor([TOKENS])).logits[0]
+    torch.testing.assert_close(our_logits(path), expected, atol=1e-4, rtol=0)
+
+
+def test_unsupported_tensor_type_is_named(tiny_model, tmp_path):
+    arch, model = tiny_model
+    with pytest.raises(ValueError, match="unsupported type Q5_0"):
+        our_logits(write_gguf(model, arch, tmp_path / "m.gguf", Q.Q5_0))
+
+
+def test_unsupported_tensor_name_is_named(tiny_model, tmp_path):
+    arch, model = tiny_model
+    with pytest.raises(ValueError, match="blk.0.attn_sinks"):
+        our_logits(write_gguf(model, arch, tmp_path / "m.gguf", Q.F32, extra_tensor="blk.0.attn_sinks.weight"))
+
+
+def test_unsupported_architecture_is_named(tiny_model, tmp_path):
+    _, model = tiny_model
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'falcon'"):
+        our_logits(write_gguf(model, "falcon", tmp_path / "m.gguf", Q.F32))
+
+
+def test_truncated_and_corrupt_files_are_clear_errors(tiny_model, tmp_path):
+    arch, model = tiny_model
+    data = write_gguf(model, arch, tmp_path / "m.gguf", Q.Q8_0).read_bytes()
+    (tmp_path / "truncated.gguf").write_bytes(data[: len(data) // 2])
+    (tmp_path / "corrupt.gguf").write_bytes(b"GGUF" + bytes(range(256)) * 4)
+    for name in ("truncated.gguf", "corrupt.gguf"):
+        with pytest.raises(ValueError, match="not a readable GGUF file"):
+            load_model(tmp_path / name, torch.float32, torch.device("cpu"), load_tokenizer=False)
+
+
+def test_gguf_names_map_to_hugging_face_names():
+    assert hf_name("blk.3.attn_q.bias") == "model.layers.3.self_attn.q_proj.bias"
+    assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    with pytest.raises(ValueError, match="unsupported GGUF tensor"):
+        hf_name("blk.0.ffn_gate_exps.weight")

@@ -1,0 +1,46 @@
+"""The `tokenloop` command, run in-process on the tiny model folder (and the store listing)."""
+
+from __future__ import annotations
+
+import io
+
+from tokenloop.cli import main
+
+
+def test_generate_streams_text_and_prints_stats(tiny_model_folder, capsys):
+    args = ["generate", "Hello world", "--model", str(tiny_model_folder), "--dtype", "float32", "--max-tokens", "6"]
+    assert main(args + ["--stats"]) == 0
+    out, err = capsys.readouterr()
+    assert out.endswith("\n") and "decode: 6 tokens" in err and "prompt: " in err
+
+
+def test_generate_with_a_seed_is_reproducible(tiny_model_folder, capsys):
+    args = ["generate", "Hello", "--model", str(tiny_model_folder), "--temperature", "1", "--seed", "7", "--max-tokens", "8"]
+    main(args)
+    first = capsys.readouterr().out
+    main(args)
+    assert capsys.readouterr().out == first
+
+
+def test_chat_answers_each_turn_and_reuses_the_cache(tiny_model_folder, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello world! Hello tokenizers, hello templates.\nAnd then?\n/exit\n"))
+    assert main(["chat", "--model", str(tiny_model_folder), "--max-tokens", "5", "--stats"]) == 0
+    err = capsys.readouterr().err
+    stats = [line for line in err.splitlines() if line.startswith("prompt:")]
+    assert len(stats) == 2
+    assert "(0 cached)" in stats[0] and "(0 cached)" not in stats[1]
+
+
+def test_unknown_model_is_an_error_listing_known_models(capsys):
+    assert main(["generate", "hi", "--model", "no-such-model"]) == 2
+    assert "known models: smollm2-135m-instruct" in capsys.readouterr().err
+
+
+def test_bad_sampling_value_names_the_field(tiny_model_folder, capsys):
+    assert main(["generate", "hi", "--model", str(tiny_model_folder), "--top-p", "1.5"]) == 2
+    assert "top_p" in capsys.readouterr().err
+
+
+def test_models_lists_the_default(capsys):
+    assert main(["models"]) == 0
+    assert "smollm2-135m-instruct (default)" in capsys.readouterr().out
