@@ -38,10 +38,11 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
         engine = self.llm_engine
-        # Validate every prompt before any runs, so a bad one does not leave the others half-done.
-        for prompt, params in zip(prompts, sampling_params):
-            engine._validate_prompt(engine.tokenize_prompt(prompt)[1], params)
-        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        # Tokenize and validate every prompt before any runs, so a bad one does not leave the others half-done.
+        inputs = [dict(zip(("prompt", "prompt_token_ids"), engine.tokenize_prompt(p))) for p in prompts]
+        for prompt, params in zip(inputs, sampling_params):
+            engine.validate_prompt(prompt["prompt_token_ids"], params)
+        ids = [engine.add_request(p, sp) for p, sp in zip(inputs, sampling_params)]
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generating", disable=not use_tqdm or len(ids) < 2) as bar:
             while engine.has_unfinished_requests():

@@ -29,6 +29,7 @@ CONFIGS = {
     ),
     "mistral-sliding-window": lambda: transformers.MistralConfig(**TINY, sliding_window=8),
     "qwen2-bias": lambda: transformers.Qwen2Config(**TINY, tie_word_embeddings=True),
+    "llama-sharded": lambda: transformers.LlamaConfig(**TINY, tie_word_embeddings=False),
 }
 
 
@@ -38,7 +39,8 @@ def checkpoint(request, tmp_path_factory):
     config = CONFIGS[request.param]()
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
     folder = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, max_shard_size="40KB" if request.param.endswith("sharded") else "5GB")
+    assert (folder / "model.safetensors.index.json").is_file() == request.param.endswith("sharded")
     return model, folder
 
 

@@ -96,7 +96,7 @@ class LLMEngine:
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         params = params or SamplingParams()
         text, token_ids = self.tokenize_prompt(prompt)
-        self._validate_prompt(token_ids, params)
+        self.validate_prompt(token_ids, params)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -111,7 +111,7 @@ class LLMEngine:
         self.scheduler.add(seq)
         return request_id
 
-    def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+    def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size

@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# Temperatures below this are greedy (as vLLM's _SAMPLING_EPS): dividing logits by them overflows.
+SAMPLING_EPS = 1e-5
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (below SAMPLING_EPS) means greedy
     top_p: float = 1.0  # keep the smallest set of tokens whose probability mass reaches top_p; 1 = off
     top_k: int = -1  # keep the k most likely tokens; -1 (or 0) = off
     min_p: float = 0.0  # drop tokens less likely than min_p × the top token's probability; 0 = off
@@ -47,4 +49,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS

@@ -9,10 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenloop.sampling.params import SamplingParams
-
-# Temperatures below this are treated as greedy (as vLLM's _SAMPLING_EPS): dividing by them overflows.
-SAMPLING_EPS = 1e-5
+from tokenloop.sampling.params import SAMPLING_EPS, SamplingParams
 
 
 @dataclass(slots=True)
@@ -42,7 +39,7 @@ class SamplingBatch:
     ) -> SamplingBatch:
         if len(generators) != len(params):
             raise ValueError(f"generators must have one entry per row, got {len(generators)} for {len(params)} rows")
-        greedy = [p.temperature < SAMPLING_EPS for p in params]
+        greedy = [p.greedy for p in params]
         random_rows = [p for p, g in zip(params, greedy) if not g]
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         return cls(

@@ -1,0 +1,85 @@
+"""KV block manager on a handful of blocks: exact block ids, reference counts, prefix hits, eviction order."""
+
+from __future__ import annotations
+
+from tokenloop.engine.block_manager import BlockManager
+from tokenloop.engine.sequence import Sequence
+from tokenloop.sampling.params import SamplingParams
+
+
+def seq(tokens: list[int], name: str = "s") -> Sequence:
+    return Sequence(name, list(tokens), len(tokens), SamplingParams())
+
+
+def run_prefill(manager: BlockManager, s: Sequence) -> None:
+    """What the scheduler and engine do for a prompt: prefix match, allocate, compute, cache full blocks."""
+    manager.match_prefix(s)
+    assert manager.allocate(s, s.num_tokens)
+    s.num_computed_tokens = s.num_tokens
+    manager.cache_full_blocks(s)
+
+
+def test_allocation_takes_free_blocks_in_order_and_free_returns_them_tail_first():
+    m = BlockManager(num_blocks=6, block_size=4)
+    a = seq(range(10))
+    assert m.allocate(a, 10) and a.block_table == [0, 1, 2]
+    assert [b.ref_count for b in m.blocks] == [1, 1, 1, 0, 0, 0]
+    m.free(a)
+    assert list(m.free_queue) == [3, 4, 5, 2, 1, 0]
+    assert all(b.ref_count == 0 for b in m.blocks)
+
+
+def test_allocation_fails_whole_when_blocks_run_out():
+    m = BlockManager(num_blocks=2, block_size=4)
+    a = seq(range(12))
+    assert not m.allocate(a, 12)
+    assert a.block_table == [] and m.num_free_blocks == 2
+
+
+def test_a_repeated_prefix_hits_the_cache_and_shares_blocks():
+    m = BlockManager(num_blocks=8, block_size=4)
+    a = seq(range(10), "a")
+    run_prefill(m, a)
+    b = seq(list(range(8)) + [50, 51, 52], "b")
+    m.match_prefix(b)
+    assert b.block_table == [0, 1] and b.num_computed_tokens == 8 == b.num_cached_tokens
+    assert [m.blocks[i].ref_count for i in (0, 1, 2)] == [2, 2, 1]
+
+
+def test_the_last_prompt_token_is_always_recomputed():
+    m = BlockManager(num_blocks=8, block_size=4)
+    run_prefill(m, seq(range(8), "a"))
+    b = seq(range(8), "b")
+    m.match_prefix(b)
+    assert b.block_table == [0] and b.num_computed_tokens == 4
+
+
+def test_a_hit_needs_the_whole_chain_not_just_the_block():
+    m = BlockManager(num_blocks=8, block_size=4)
+    run_prefill(m, seq(list(range(8)) + [99], "a"))
+    b = seq([7, 7, 7, 7] + list(range(4, 8)) + [99], "b")  # same second block, different parent
+    m.match_prefix(b)
+    assert b.block_table == []
+
+
+def test_cached_blocks_of_finished_requests_survive_until_evicted_tail_first():
+    m = BlockManager(num_blocks=4, block_size=4)
+    a = seq(list(range(12)) + [99], "a")
+    run_prefill(m, a)
+    m.free(a)
+    assert list(m.free_queue) == [3, 2, 1, 0]  # tail of the chain first in line for eviction
+    c = seq(range(100, 104), "c")
+    assert m.allocate(c, 4) and c.block_table == [3]
+    d = seq(range(200, 204), "d")
+    assert m.allocate(d, 4) and d.block_table == [2]  # evicts the chain's last full block
+    again = seq(list(range(12)) + [99], "again")
+    m.match_prefix(again)
+    assert again.block_table == [0, 1]  # the head of the chain is still cached
+
+
+def test_prefix_caching_off_never_hits():
+    m = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    run_prefill(m, seq(range(10), "a"))
+    b = seq(range(10), "b")
+    m.match_prefix(b)
+    assert b.block_table == [] and not m.cached
