@@ -159,3 +159,27 @@ def test_the_engine_keeps_no_tensor_state_between_requests(tiny_llm):
         for t in a:
             assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-5)
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_a_pool_too_small_for_the_batch_preempts_and_loses_nothing(tiny_llm, tiny_model_folder):
+    from tokenloop import LLM
+    from tokenloop.engine.model_runner import kv_bytes_per_block
+
+    engine = tiny_llm.llm_engine
+    block_bytes = kv_bytes_per_block(engine.model_config, engine.config.block_size, torch.float32)
+    small = LLM(tiny_model_folder, dtype="float32", device="cpu", kv_cache_gb=8 * block_bytes / 2**30)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = tiny_llm.generate(PROMPTS, params, use_tqdm=False)
+    got = small.generate(PROMPTS, params, use_tqdm=False)
+    assert small.llm_engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    manager = small.llm_engine.block_manager
+    assert manager.num_free_blocks == manager.num_blocks and all(b.ref_count == 0 for b in manager.blocks)
+
+
+def test_a_request_larger_than_the_whole_pool_is_refused(tiny_model_folder):
+    from tokenloop import LLM
+
+    small = LLM(tiny_model_folder, dtype="float32", device="cpu", kv_cache_gb=2 * 8192 / 2**30)
+    with pytest.raises(ValueError, match="exceed the KV cache's 32 tokens"):
+        small.generate(PROMPTS[1], SamplingParams(max_tokens=30), use_tqdm=False)

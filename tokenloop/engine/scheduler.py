@@ -1,7 +1,9 @@
 """Scheduler: picks which sequences run in the next step and how many of their tokens, within a token budget.
 
 Running sequences are served first (a decode needs one token; a chunked prefill continues), then waiting
-ones join first-come first-served while the budget, `max_num_seqs` and free KV blocks allow.
+ones join first-come first-served while the budget, `max_num_seqs` and free KV blocks allow. When blocks
+run out, the newest running sequence is preempted: its blocks are freed and it is recomputed later, its
+generated tokens kept (the prefix cache often gives most of them back).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -39,23 +42,29 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch([], [])
         budget = self.max_num_batched_tokens
-        for seq in self.running:
-            if budget == 0:
-                break
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
-                raise RuntimeError(
-                    f"the KV cache ran out of blocks for request {seq.request_id!r}; give the engine more KV cache memory"
-                )
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
-            budget -= n
+            while not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
+                victim = self.running[-1]  # the newest; never one already scheduled this step (those come first)
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(n)
+                budget -= n
+                i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
                 self.block_manager.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
+                # Wait holding nothing: cached blocks kept by a waiting request could starve the running ones.
+                self.block_manager.free(seq)
+                seq.num_computed_tokens = seq.num_cached_tokens = 0
                 break  # retried next step, once running sequences have freed blocks
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -64,6 +73,14 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
         return batch
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED
