@@ -183,3 +183,31 @@ def test_a_request_larger_than_the_whole_pool_is_refused(tiny_model_folder):
     small = LLM(tiny_model_folder, dtype="float32", device="cpu", kv_cache_gb=2 * 8192 / 2**30)
     with pytest.raises(ValueError, match="exceed the KV cache's 32 tokens"):
         small.generate(PROMPTS[1], SamplingParams(max_tokens=30), use_tqdm=False)
+
+
+def test_n_completions_share_the_prompt_blocks_and_follow_seed_plus_index(tiny_llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
+    out = tiny_llm.generate(PROMPTS[1], params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2] and out.finished
+    for c in out.outputs:
+        single = SamplingParams(temperature=1.0, seed=11 + c.index, max_tokens=8, ignore_eos=True)
+        assert tiny_llm.generate(PROMPTS[1], single, use_tqdm=False)[0].outputs[0].token_ids == c.token_ids
+    engine = tiny_llm.llm_engine
+    prompt = PROMPTS[1] * 2
+    request_id = engine.add_request(prompt, SamplingParams(n=2, temperature=0, max_tokens=4, ignore_eos=True))
+    request = engine.requests[request_id]
+    while engine.has_unfinished_requests():
+        engine.step()
+    block = engine.config.block_size
+    assert request.completions[1].seq.num_cached_tokens == (len(request.prompt_token_ids) - 1) // block * block > 0
+    assert request.completions[0].seq.output_token_ids == request.completions[1].seq.output_token_ids
+
+
+def test_abort_frees_every_block_at_once(tiny_llm):
+    engine = tiny_llm.llm_engine
+    request_id = engine.add_request(PROMPTS[1], SamplingParams(n=2, max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    engine.abort_request(request_id)
+    assert not engine.has_unfinished_requests() and not engine.requests
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

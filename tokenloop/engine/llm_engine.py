@@ -13,7 +13,7 @@ import torch
 
 from tokenloop.engine.block_manager import BlockManager
 from tokenloop.engine.model_runner import ModelRunner, kv_bytes_per_block
-from tokenloop.engine.output_processor import OutputProcessor, RequestState
+from tokenloop.engine.output_processor import CompletionState, OutputProcessor, RequestState
 from tokenloop.engine.scheduler import Scheduler
 from tokenloop.engine.sequence import Sequence
 from tokenloop.models.loader import load_model
@@ -76,6 +76,7 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, dtype, device)
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, RequestState] = {}
+        self._by_seq: dict[str, tuple[RequestState, CompletionState]] = {}  # running completions by sequence id
         self._ids = itertools.count()
 
     def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -102,14 +103,24 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.max_tokens is None:  # up to the context length
             params = replace(params, max_tokens=self.max_model_len - len(token_ids))
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(self.config.torch_device).manual_seed(params.seed)
-        seq = Sequence(request_id, token_ids, len(token_ids), params, generator)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens)
-        self.requests[request_id] = RequestState(seq, text, detokenizer)
-        self.scheduler.add(seq)
+        request = RequestState(request_id, text, token_ids, params)
+        self.requests[request_id] = request
+        # The other n - 1 completions join once this one has prefilled the prompt: they then find its
+        # full blocks in the prefix cache and share them instead of computing them again.
+        self.scheduler.add(self._new_completion(request))
         return request_id
+
+    def _new_completion(self, request: RequestState) -> Sequence:
+        index = len(request.completions)
+        params = request.params
+        generator = None
+        if params.seed is not None:  # completion i of a seeded request uses seed + i, as vLLM does
+            generator = torch.Generator(self.config.torch_device).manual_seed(params.seed + index)
+        seq = Sequence(f"{request.request_id}/{index}", list(request.prompt_token_ids), len(request.prompt_token_ids), params, generator)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop, params.skip_special_tokens)
+        request.completions.append(CompletionState(index, seq, detokenizer))
+        self._by_seq[seq.seq_id] = (request, request.completions[-1])
+        return seq
 
     def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
@@ -128,9 +139,14 @@ class LLMEngine:
             raise ValueError(f"{wanted} tokens (prompt plus max_tokens) exceed the KV cache's {capacity} tokens")
 
     def abort_request(self, request_id: str) -> None:
-        state = self.requests.pop(request_id, None)
-        if state is not None:
-            self.scheduler.finish(state.seq)
+        """Drop a request and free its KV blocks at once; unknown or finished ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for completion in request.completions:
+            self._by_seq.pop(completion.seq.seq_id, None)
+            if not completion.finished:
+                self.scheduler.finish(completion.seq)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -144,13 +160,19 @@ class LLMEngine:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
-        outputs = []
+        progressed: dict[str, RequestState] = {}
         for row, index in enumerate(sampled_indices):
-            state = self.requests[batch.seqs[index].request_id]
-            self.output_processor.append(state, samples, row)
-            outputs.append(self.output_processor.make_output(state))
-            if state.seq.finish_reason is not None:
-                self.scheduler.finish(state.seq)
-                del self.requests[state.seq.request_id]
+            request, completion = self._by_seq[batch.seqs[index].seq_id]
+            self.output_processor.append(completion, samples, row)
+            if completion.finished:
+                self.scheduler.finish(completion.seq)
+                del self._by_seq[completion.seq.seq_id]
+            if completion.index == 0 and len(request.completions) == 1:
+                for _ in range(request.params.n - 1):
+                    self.scheduler.add(self._new_completion(request))
+            progressed[request.request_id] = request
+        outputs = [self.output_processor.make_output(request) for request in progressed.values()]
+        for out in outputs:
+            if out.finished:
+                del self.requests[out.request_id]
         return outputs
-

@@ -1,24 +1,44 @@
-"""Output processing: append sampled tokens, detokenize, decide when a request stops, build its output."""
+"""Output processing: append sampled tokens, detokenize, decide when a completion stops, build request outputs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenloop.engine.sequence import Sequence
 from tokenloop.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenloop.sampling.params import SamplingParams
 from tokenloop.sampling.sampler import SamplerOutput
 from tokenloop.tokenizer.detokenizer import IncrementalDetokenizer
 from tokenloop.tokenizer.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)
-class RequestState:
+class CompletionState:
+    """One of a request's n completions: its sequence and the text and logprobs built so far."""
+
+    index: int
     seq: Sequence
-    prompt: str | None
     detokenizer: IncrementalDetokenizer
     streamed_text: str = ""  # text safe to show so far (a possible stop-string prefix is held back)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.seq.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    completions: list[CompletionState] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.completions) == self.params.n and all(c.finished for c in self.completions)
 
 
 class OutputProcessor:
@@ -27,17 +47,15 @@ class OutputProcessor:
         self.eos_token_ids = set(tokenizer.eos_token_ids)
         self.max_model_len = max_model_len
 
-    def append(self, state: RequestState, samples: SamplerOutput, row: int) -> None:
-        """Add the token sampled at `row` to the request; marks it finished when a stop condition holds."""
+    def append(self, state: CompletionState, samples: SamplerOutput, row: int) -> None:
+        """Add the token sampled at `row` to a completion; marks it finished when a stop condition holds."""
         seq, params = state.seq, state.seq.params
         token = int(samples.token_ids[row])
         seq.token_ids.append(token)
-        if samples.logprobs is not None:
-            chosen = float(samples.logprobs[row, 0])
-            state.cumulative_logprob += chosen
-            if params.logprobs is not None:
-                state.logprobs = state.logprobs if state.logprobs is not None else []
-                state.logprobs.append(self._logprob_dict(samples, row, params.logprobs))
+        if samples.logprobs is not None and params.logprobs is not None:
+            state.cumulative_logprob += float(samples.logprobs[row, 0])
+            state.logprobs = state.logprobs if state.logprobs is not None else []
+            state.logprobs.append(self._logprob_dict(samples, row, params.logprobs))
         stop_string = state.detokenizer.update([token])
         if stop_string is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop_string
@@ -58,23 +76,24 @@ class OutputProcessor:
             entries.setdefault(tid, Logprob(lp, rank, self.tokenizer.decode([tid])))
         return entries
 
-    def make_output(self, state: RequestState) -> RequestOutput:
-        seq = state.seq
-        finished = seq.finish_reason is not None
-        completion = CompletionOutput(
-            index=0,
-            text=state.detokenizer.output_text if finished else state.streamed_text,
-            token_ids=list(seq.output_token_ids),
-            cumulative_logprob=state.cumulative_logprob if seq.params.logprobs is not None else None,
-            logprobs=state.logprobs,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-        )
+    def make_output(self, request: RequestState) -> RequestOutput:
+        completions = [
+            CompletionOutput(
+                index=c.index,
+                text=c.detokenizer.output_text if c.finished else c.streamed_text,
+                token_ids=list(c.seq.output_token_ids),
+                cumulative_logprob=c.cumulative_logprob if request.params.logprobs is not None else None,
+                logprobs=c.logprobs,
+                finish_reason=c.seq.finish_reason,
+                stop_reason=c.seq.stop_reason,
+            )
+            for c in request.completions
+        ]
         return RequestOutput(
-            request_id=seq.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            outputs=[completion],
-            finished=finished,
-            num_cached_tokens=seq.num_cached_tokens,
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=completions,
+            finished=request.finished,
+            num_cached_tokens=request.completions[0].seq.num_cached_tokens,
         )

@@ -18,7 +18,7 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(slots=True)
 class Sequence:
-    request_id: str
+    seq_id: str  # "<request id>/<completion index>"
     token_ids: list[int]  # prompt followed by the generated tokens
     num_prompt_tokens: int
     params: SamplingParams

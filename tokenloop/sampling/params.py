@@ -11,6 +11,7 @@ SAMPLING_EPS = 1e-5
 
 @dataclass(slots=True)
 class SamplingParams:
+    n: int = 1  # completions per prompt; they share the prompt's KV blocks
     temperature: float = 1.0  # 0 (below SAMPLING_EPS) means greedy
     top_p: float = 1.0  # keep the smallest set of tokens whose probability mass reaches top_p; 1 = off
     top_k: int = -1  # keep the k most likely tokens; -1 (or 0) = off
@@ -28,6 +29,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
