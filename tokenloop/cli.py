@@ -126,6 +126,19 @@ def cmd_chat(args) -> int:
             print(stats.summary(), file=sys.stderr)
 
 
+def cmd_serve(args) -> int:
+    from tokenloop.engine.llm_engine import EngineConfig
+    from tokenloop.server.serve import serve
+
+    config = EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, kv_cache_gb=args.kv_cache_gb, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+    serve(config, args.served_model_name or args.model or store.DEFAULT_MODEL, args.host, args.port, args.api_key)
+    return 0
+
+
 def cmd_models(args) -> int:
     for name, model in store.KNOWN_MODELS.items():
         where = str(store.cached_path(name)) if store.is_pulled(name) else "not pulled"
@@ -150,6 +163,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--system", default=None, help="system message")
     _add_model_args(p)
     p.set_defaults(func=cmd_chat)
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p.add_argument("--model", "-m", default=None, help=f"known name, .gguf file or HF folder (default {store.DEFAULT_MODEL})")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default=None)
+    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the paged KV cache")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.set_defaults(func=cmd_serve)
     sub.add_parser("models", help="list known models").set_defaults(func=cmd_models)
     p = sub.add_parser("pull", help="fetch a known model into the local store")
     p.add_argument("name")

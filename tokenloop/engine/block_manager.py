@@ -36,6 +36,8 @@ class BlockManager:
         # when a cache hit revives one. Cached contents survive here until the block is handed out again.
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # chain hash → block id
+        self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache, and how many were found
+        self.prefix_hit_tokens = 0
 
     @property
     def num_blocks(self) -> int:
@@ -44,6 +46,11 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks some sequence references (free blocks may still hold cached prefixes)."""
+        return len(self.blocks) - len(self.free_queue)
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks `seq` needs so that its first `num_tokens` tokens have slots."""
@@ -67,6 +74,8 @@ class BlockManager:
             self._take(block_id)
             seq.block_table.append(block_id)
         seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
+        self.prefix_queried_tokens += seq.num_tokens
+        self.prefix_hit_tokens += seq.num_cached_tokens
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Give `seq` slots for its first `num_tokens` tokens; False (and nothing taken) if blocks run out."""

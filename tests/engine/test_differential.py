@@ -1,0 +1,49 @@
+"""Differential tests, float32 greedy on the tiny model: the scheduling choices must not change a single token."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenloop import LLM, SamplingParams
+
+SHARED = "Hello world! Hello tokenizers, hello templates. " * 3
+PROMPTS = [SHARED + tail for tail in ("The quick brown fox", "def main():", "Numbers like 12345", "I'm sure")] + [
+    "so are emoji 😀 and 中文.",
+    "The quick brown fox jumps over the lazy dog." * 2,
+]
+PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llm):
+    return [o.outputs[0].token_ids for o in tiny_llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+
+
+def make(folder, **engine_args) -> LLM:
+    return LLM(folder, dtype="float32", device="cpu", kv_cache_gb=0.01, **engine_args)
+
+
+def test_prefix_caching_off_gives_the_same_tokens(tiny_model_folder, reference):
+    llm = make(tiny_model_folder, enable_prefix_caching=False)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] == reference
+
+
+def test_prefix_caching_on_with_shared_prefixes_gives_the_same_tokens(tiny_model_folder, reference):
+    llm = make(tiny_model_folder)
+    for prompt, expected in zip(PROMPTS, reference):  # one by one, so later prompts hit the shared prefix
+        out = llm.generate(prompt, PARAMS, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == expected
+    assert llm.llm_engine.block_manager.prefix_hit_tokens > 0
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_chunked_prefill_gives_the_same_tokens(tiny_model_folder, reference, chunk):
+    llm = make(tiny_model_folder, max_num_batched_tokens=chunk)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] == reference
+
+
+def test_a_request_alone_equals_it_inside_a_batch_of_32(tiny_llm):
+    batch = (PROMPTS * 6)[:32]
+    together = tiny_llm.generate(batch, PARAMS, use_tqdm=False)
+    alone = {p: tiny_llm.generate(p, PARAMS, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS}
+    assert [o.outputs[0].token_ids for o in together] == [alone[p] for p in batch]

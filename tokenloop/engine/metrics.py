@@ -1,0 +1,38 @@
+"""Prometheus metrics of a serving engine: latencies per request, and the scheduler's and KV cache's state."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from tokenloop.engine.llm_engine import LLMEngine
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+
+
+class EngineMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram("tokenloop_time_to_first_token_seconds", "Request arrival to first token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tokenloop_inter_token_latency_seconds", "Time between two tokens of a request", buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("tokenloop_e2e_request_latency_seconds", "Request arrival to its last token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("tokenloop_num_requests_running", "Sequences in the running batch", registry=r)
+        self.waiting = Gauge("tokenloop_num_requests_waiting", "Sequences waiting to be scheduled", registry=r)
+        self.blocks_used = Gauge("tokenloop_kv_cache_blocks_in_use", "KV blocks referenced by sequences", registry=r)
+        self.blocks_total = Gauge("tokenloop_kv_cache_blocks_total", "KV blocks in the pool", registry=r)
+        self.prefix_hit_rate = Gauge("tokenloop_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up", registry=r)
+        self.prompt_tokens = Counter("tokenloop_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("tokenloop_generation_tokens", "Generated tokens", registry=r)
+        self.preemptions = Counter("tokenloop_num_preemptions", "Sequences preempted for lack of KV blocks", registry=r)
+        self._preemptions_seen = 0
+
+    def observe_engine(self, engine: LLMEngine) -> None:
+        """Read the scheduler's and block manager's state after a step (or an abort)."""
+        scheduler, blocks = engine.scheduler, engine.block_manager
+        self.running.set(len(scheduler.running))
+        self.waiting.set(len(scheduler.waiting))
+        self.blocks_used.set(blocks.num_used_blocks)
+        self.blocks_total.set(blocks.num_blocks)
+        if blocks.prefix_queried_tokens:
+            self.prefix_hit_rate.set(blocks.prefix_hit_tokens / blocks.prefix_queried_tokens)
+        self.preemptions.inc(scheduler.num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = scheduler.num_preemptions
