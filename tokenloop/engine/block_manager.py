@@ -73,6 +73,7 @@ class BlockManager:
                 break
             self._take(block_id)
             seq.block_table.append(block_id)
+        seq.num_hashed_blocks = len(seq.block_table)
         seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
         self.prefix_queried_tokens += seq.num_tokens
         self.prefix_hit_tokens += seq.num_cached_tokens
@@ -90,17 +91,18 @@ class BlockManager:
         return True
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register every block of `seq` that is now full of computed tokens under its chain hash."""
+        """Register the blocks of `seq` that became full of computed tokens under their chain hashes."""
         if not self.enable_prefix_caching:
             return
-        parent = None
-        for i, block_id in enumerate(seq.block_table[: seq.num_computed_tokens // self.block_size]):
-            block = self.blocks[block_id]
-            if block.hash is None:
+        full = seq.num_computed_tokens // self.block_size
+        for i in range(seq.num_hashed_blocks, full):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None:  # a block taken from the cache already has its hash
+                parent = self.blocks[seq.block_table[i - 1]].hash if i else None
                 block.token_ids = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
                 block.hash = chain_hash(parent, block.token_ids)
-                self.cached.setdefault(block.hash, block_id)
-            parent = block.hash
+                self.cached.setdefault(block.hash, block.block_id)
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references, tail first, so that the tail of a prefix chain is evicted first."""
@@ -110,6 +112,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
         seq.block_table.clear()
+        seq.num_hashed_blocks = 0
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

@@ -29,6 +29,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # how many prompt tokens came from the prefix cache
     block_table: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache
     finish_reason: str | None = None  # "stop" or "length"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
