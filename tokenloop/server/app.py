@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -43,6 +43,22 @@ def _param_of(message: str) -> str | None:
     return first if first.isidentifier() and first not in ("the", "a", "prompt") else None
 
 
+class _RequireAPIKey:
+    """401 on /v1 routes without 'Authorization: Bearer KEY'. Plain ASGI on purpose: under Starlette's
+    BaseHTTPMiddleware (@app.middleware) Request.is_disconnected() never turns true, so a non-streamed
+    request whose client left would run to its end."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            if dict(scope["headers"]).get(b"authorization") != self.expected:
+                await error_response(401, "invalid or missing API key")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="tokenloop", docs_url=None, redoc_url=None)
     max_model_len = engine.engine.max_model_len
@@ -54,6 +70,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         err = e.errors()[0] if e.errors() else {}
+        if err.get("type") == "json_invalid":  # its loc is a character offset, not a field
+            return error_response(400, f"invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
         loc = [str(part) for part in err.get("loc", ()) if part != "body"]
         message = f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid request')}"
         return error_response(400, message, loc[0] if loc else None)
@@ -62,12 +80,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return error_response(e.status_code, str(e.detail))
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return error_response(401, "invalid or missing API key")
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_RequireAPIKey, api_key=api_key)
 
     @app.get("/health")
     async def health() -> Response:
@@ -106,13 +120,17 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
             raise APIError(400, str(e), "prompt") from None
         streams = start_streams(prompts, params)
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model_name}
+
+        def prompt_text(out: RequestOutput) -> str:  # what echo returns; token-id prompts have no text of their own
+            return out.prompt if out.prompt is not None else engine.engine.tokenizer.decode(out.prompt_token_ids)
+
         if body.stream:
-            return _sse(_completion_chunks(streams, params, body, meta))
+            return _sse(_completion_chunks(streams, params, body, meta, prompt_text))
         outs = await _until_disconnected(request, _collect(streams))
         usage, choices = Usage(), []
         for i, out in enumerate(outs):
             usage.add(out)
-            echo = (out.prompt if out.prompt is not None else engine.engine.tokenizer.decode(out.prompt_token_ids)) if body.echo else ""
+            echo = prompt_text(out) if body.echo else ""
             for c in out.outputs:
                 logprobs = completion_logprobs(c, 0, body.logprobs, 0) if body.logprobs is not None else None
                 choices.append({"index": i * params.n + c.index, "text": echo + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
@@ -232,19 +250,21 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
-async def _completion_chunks(streams, params: SamplingParams, body: CompletionRequest, meta: dict) -> AsyncIterator[dict]:
+async def _completion_chunks(streams, params: SamplingParams, body: CompletionRequest, meta: dict, prompt_text: Callable[[RequestOutput], str]) -> AsyncIterator[dict]:
     indexer, usage = ChoiceIndexer(params.n), {}
     async for i, out in _merge(streams):
         for c in out.outputs:
             index = indexer.index(i, c.index)
             sent = indexer.of(index)
+            if sent.finished:  # outputs repeat every completion of the request; a finished one was sent in full
+                continue
             text = c.text[sent.text_len :]
             if body.echo and not sent.started:
-                text = (out.prompt or "") + text
+                text = prompt_text(out) + text
             logprobs = completion_logprobs(c, sent.logprobs_len, body.logprobs, sent.text_len) if body.logprobs is not None else None
             if text or c.finish_reason or logprobs and logprobs["tokens"]:
                 yield meta | {"choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
-            sent.text_len, sent.logprobs_len, sent.started = len(c.text), len(c.token_ids), True
+            sent.text_len, sent.logprobs_len, sent.started, sent.finished = len(c.text), len(c.token_ids), True, c.finish_reason is not None
         if out.finished:
             usage[i] = out
     if body.include_usage:
@@ -259,6 +279,8 @@ async def _chat_chunks(stream, params: SamplingParams, body: ChatCompletionReque
     async for out in stream:
         for c in out.outputs:
             sent = indexer.of(c.index)
+            if sent.finished:
+                continue
             delta = {} if sent.started else {"role": "assistant"}
             text = c.text[sent.text_len :]
             if text or not sent.started:
@@ -266,7 +288,7 @@ async def _chat_chunks(stream, params: SamplingParams, body: ChatCompletionReque
             logprobs = chat_logprobs(c, sent.logprobs_len, params.logprobs) if params.logprobs is not None else None
             if delta or c.finish_reason:
                 yield meta | {"choices": [{"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
-            sent.text_len, sent.logprobs_len, sent.started = len(c.text), len(c.token_ids), True
+            sent.text_len, sent.logprobs_len, sent.started, sent.finished = len(c.text), len(c.token_ids), True, c.finish_reason is not None
         final = out
     if body.include_usage and final is not None:
         usage = Usage()

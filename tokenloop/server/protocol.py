@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from tokenloop.sampling.params import SamplingParams
+from tokenloop.sampling.params import MAX_LOGPROBS, SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -94,4 +94,6 @@ class ChatCompletionRequest(_SamplingRequest):
     def effective_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
         return (self.top_logprobs or 0) if self.logprobs else None

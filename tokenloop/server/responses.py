@@ -14,6 +14,7 @@ class ChoiceProgress:
     text_len: int = 0
     logprobs_len: int = 0
     started: bool = False
+    finished: bool = False  # its finish_reason has been sent
 
 
 @dataclass(slots=True)

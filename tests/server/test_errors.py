@@ -1,0 +1,144 @@
+"""Bad requests get OpenAI's error shape and status (400, 404, 401; never FastAPI's 422), and leave the server serving."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import API_KEY, MODEL_NAME
+
+ANY = object()  # the error's param may be anything (still present)
+HI = [{"role": "user", "content": "Hi"}]
+
+# (route, JSON body or raw bytes, expected param)
+BAD_REQUESTS = {
+    "temperature -1": ("completions", {"prompt": "Hi", "temperature": -1}, "temperature"),
+    "top_p 1.5": ("completions", {"prompt": "Hi", "top_p": 1.5}, "top_p"),
+    "top_k -2": ("completions", {"prompt": "Hi", "top_k": -2}, "top_k"),
+    "max_tokens 0": ("completions", {"prompt": "Hi", "max_tokens": 0}, "max_tokens"),
+    "n 0": ("completions", {"prompt": "Hi", "n": 0}, "n"),
+    "logprobs 21": ("completions", {"prompt": "Hi", "logprobs": 21}, "logprobs"),
+    "chat temperature -1": ("chat/completions", {"messages": HI, "temperature": -1}, "temperature"),
+    "chat top_p 1.5": ("chat/completions", {"messages": HI, "top_p": 1.5}, "top_p"),
+    "chat max_tokens 0": ("chat/completions", {"messages": HI, "max_tokens": 0}, "max_tokens"),
+    "chat n 0": ("chat/completions", {"messages": HI, "n": 0}, "n"),
+    "chat top_logprobs 21": ("chat/completions", {"messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    "token id = vocab size": ("completions", {"prompt": [5, 6, 400]}, "prompt"),
+    "negative token id": ("completions", {"prompt": [5, -1]}, "prompt"),
+    "empty prompt": ("completions", {"prompt": ""}, "prompt"),
+    "empty token list": ("completions", {"prompt": []}, "prompt"),
+    "one of two prompts empty": ("completions", {"prompt": ["Hi", ""]}, "prompt"),
+    "missing prompt": ("completions", {"max_tokens": 2}, "prompt"),
+    "message without role": ("chat/completions", {"messages": [{"content": "Hi"}]}, "messages"),
+    "message with unknown role": ("chat/completions", {"messages": [{"role": "wizard", "content": "Hi"}]}, "messages"),
+    "number as content": ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages"),
+    "no messages": ("chat/completions", {"messages": []}, "messages"),
+    "messages not a list": ("chat/completions", {"messages": "Hi"}, "messages"),
+    "max_tokens a word": ("completions", {"prompt": "Hi", "max_tokens": "many"}, "max_tokens"),
+    "temperature a word": ("completions", {"prompt": "Hi", "temperature": "hot"}, "temperature"),
+    "n a fraction": ("completions", {"prompt": "Hi", "n": 1.5}, "n"),
+    "prompt a number": ("completions", {"prompt": 5}, "prompt"),
+    "stop a number": ("completions", {"prompt": "Hi", "stop": 5}, "stop"),
+    "chat stream a list": ("chat/completions", {"messages": HI, "stream": [1]}, "stream"),
+    "body a list": ("completions", [1, 2], ANY),
+    "invalid JSON": ("completions", b'{"prompt": "Hi",', None),
+    "empty body": ("completions", b"", ANY),
+}
+
+
+def assert_openai_error(response, status: int, param=ANY) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    error = body["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["type"]
+    if param is not ANY:
+        assert error["param"] == param, error
+    return error
+
+
+def post(http, route, body):
+    if isinstance(body, bytes):
+        return http.post(f"/v1/{route}", content=body, headers={"Content-Type": "application/json"})
+    return http.post(f"/v1/{route}", json=body)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with server.http() as h:
+        yield h
+
+
+def assert_still_serves(http):
+    ok = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "temperature": 0})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 1
+
+
+@pytest.mark.parametrize("route, body, param", BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys())
+def test_bad_request_is_a_400_in_the_openai_error_shape_and_the_server_goes_on(http, route, body, param):
+    error = assert_openai_error(post(http, route, body), 400, param)
+    assert error["type"] == "invalid_request_error"
+    assert_still_serves(http)
+
+
+def test_bad_streamed_request_is_a_400_before_any_stream_starts(http):
+    response = http.post("/v1/chat/completions", json={"messages": HI, "temperature": -1, "stream": True})
+    assert_openai_error(response, 400, "temperature")
+
+
+def test_prompt_longer_than_the_context_names_both_lengths(http):
+    error = assert_openai_error(http.post("/v1/completions", json={"prompt": [5] * 300, "max_tokens": 1}), 400)
+    assert "300" in error["message"] and "256" in error["message"]
+    long_text = "Hello world " * 200
+    error = assert_openai_error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": long_text}]}), 400)
+    assert "256" in error["message"]
+    assert_still_serves(http)
+
+
+def test_prompt_plus_max_tokens_beyond_the_context_is_a_400(http):
+    error = assert_openai_error(http.post("/v1/completions", json={"prompt": [5] * 200, "max_tokens": 100}), 400)
+    assert "256" in error["message"]
+
+
+def test_openai_client_raises_bad_request_with_the_servers_message(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL_NAME, prompt="Hi", temperature=-1)
+    assert e.value.status_code == 400 and "temperature" in e.value.message
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL_NAME, messages=HI, logprobs=True, top_logprobs=21)
+
+
+def test_unknown_model_is_a_404(http, client):
+    for route, body in (("completions", {"prompt": "Hi"}), ("chat/completions", {"messages": HI})):
+        error = assert_openai_error(http.post(f"/v1/{route}", json=body | {"model": "no-such-model"}), 404, "model")
+        assert "no-such-model" in error["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="Hi", max_tokens=2)
+
+
+def test_unknown_route_is_a_404_in_the_openai_error_shape(http):
+    assert_openai_error(http.get("/v1/no-such-route"), 404)
+
+
+def test_missing_or_wrong_api_key_is_a_401_while_health_needs_none(keyed_server):
+    with keyed_server.http() as authorized:
+        assert authorized.get("/v1/models").status_code == 200
+        assert authorized.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+    with httpx.Client(base_url=keyed_server.url, timeout=60) as anonymous:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+            assert_openai_error(anonymous.get("/v1/models", headers=headers), 401)
+            assert_openai_error(anonymous.post("/v1/completions", json={"prompt": "Hi"}, headers=headers), 401)
+        assert anonymous.get("/health").status_code == 200
+        assert anonymous.get("/metrics").status_code == 200
+
+
+def test_openai_client_with_the_api_key_is_served_and_without_it_refused(keyed_server):
+    assert [m.id for m in keyed_server.client().models.list().data] == [MODEL_NAME]
+    out = keyed_server.client().chat.completions.create(model=MODEL_NAME, messages=HI, max_tokens=3, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 3
+    chunks = list(keyed_server.client().completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=3, stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    with pytest.raises(openai.AuthenticationError):
+        keyed_server.client(api_key="wrong").models.list()
