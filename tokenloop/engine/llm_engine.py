@@ -64,7 +64,6 @@ class LLMEngine:
         self.config = config
         dtype, device = config.torch_dtype, config.torch_device
         loaded = load_model(config.model, dtype, device)
-        self.model_path = loaded.path
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings)
