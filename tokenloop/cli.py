@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from tokenloop.bench import offline as offline_bench
 from tokenloop.bench import serve as serve_bench
 from tokenloop.models import store
 
@@ -178,7 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.set_defaults(func=cmd_serve)
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    p = sub.add_parser("bench", help="tokenloop beside llama.cpp and transformers on the same GGUF (or: bench serve)")
+    offline_bench.add_arguments(p)
+    p.set_defaults(func=offline_bench.main_from_args)
+    bench = p.add_subparsers(dest="bench")
     p = bench.add_parser("serve", help="load an OpenAI-compatible server: TTFT, inter-token latency, throughput")
     serve_bench.add_arguments(p)
     p.set_defaults(func=serve_bench.main_from_args)

@@ -1,0 +1,30 @@
+"""`tokenloop bench` on the tiny model: every figure is measured, in a subprocess, and the table shows ratios."""
+
+from __future__ import annotations
+
+from tokenloop.bench.offline import BenchConfig, EngineResult, format_table, run_engine
+
+
+def test_tokenloop_figures_are_measured_in_a_subprocess(tiny_model_folder):
+    cfg = BenchConfig(str(tiny_model_folder), dtype="float32", threads=1, decode_tokens=8, prefill_tokens=64, batch_sizes=(2,))
+    result = run_engine("tokenloop", cfg)
+    assert result.error is None
+    assert result.decode_tps > 0 and result.prefill_tps > 0 and result.ttft_ms > 0
+    assert result.batch_tps["2"] > 0 and result.peak_rss_mib > 0 and result.weight_bytes > 0
+
+
+def test_an_engine_that_fails_reports_its_error(tiny_model_folder):
+    cfg = BenchConfig(str(tiny_model_folder / "missing.gguf"), threads=1)
+    assert run_engine("tokenloop", cfg).error
+
+
+def test_the_table_prints_tokenloop_over_peer_ratios():
+    cfg = BenchConfig("m.gguf", batch_sizes=(8,))
+    ours = EngineResult("tokenloop", decode_tps=20.0, prefill_tps=300.0, ttft_ms=10.0, batch_tps={"8": 80.0}, peak_rss_mib=100.0, weight_bytes=10**8)
+    peer = EngineResult("llama.cpp", decode_tps=10.0, prefill_tps=100.0, ttft_ms=20.0, peak_rss_mib=50.0, weight_bytes=10**8)
+    table = format_table([ours, peer], cfg, bandwidth=20.0)
+    decode = next(line for line in table.splitlines() if line.startswith("single-stream decode"))
+    assert decode.split()[-2:] == ["10.0", "2.00x"]
+    batched = next(line for line in table.splitlines() if line.startswith("8 concurrent"))
+    assert batched.split()[-2:] == ["-", "-"]
+    assert "decode GB/s (memory copy: 20.0 GB/s)" in table

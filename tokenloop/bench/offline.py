@@ -1,0 +1,209 @@
+"""`tokenloop bench`: tokenloop beside llama.cpp and transformers on the same GGUF, same prompts, same threads.
+
+Each engine runs in a subprocess of its own (so that peak RSS is its own); the table prints tokenloop/peer
+ratios from this one run. llama.cpp (`pip install -e .[bench]`) and transformers are used when installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from tokenloop.bench.serve import DEFAULT_PROMPT
+
+ENGINES = ("tokenloop", "llama.cpp", "transformers")
+PROMPT_TOKENS = 64  # the decode and batch prompts: the first tokens of DEFAULT_PROMPT
+
+
+@dataclass(slots=True)
+class BenchConfig:
+    model: str  # a local .gguf path (llama.cpp and transformers need the file)
+    dtype: str = "auto"  # tokenloop's dtype
+    threads: int = 2
+    decode_tokens: int = 128
+    prefill_tokens: int = 1024
+    batch_sizes: tuple[int, ...] = (8, 32)
+
+
+@dataclass(slots=True)
+class EngineResult:
+    engine: str
+    decode_tps: float | None = None  # single stream, tokens/s after the first token
+    prefill_tps: float | None = None  # prompt of prefill_tokens, tokens/s
+    ttft_ms: float | None = None  # time to first token of that prompt
+    batch_tps: dict[str, float] | None = None  # concurrent requests → output tokens/s
+    peak_rss_mib: float | None = None
+    weight_bytes: int | None = None  # bytes a decode step reads at least
+    error: str | None = None
+
+
+def _prefill_prompt(tokenize, n: int) -> list[int]:
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += tokenize(DEFAULT_PROMPT)
+    return ids[:n]
+
+
+def _bench_tokenloop(cfg: BenchConfig) -> EngineResult:
+    from tokenloop import LLM, SamplingParams
+
+    llm = LLM(cfg.model, dtype=cfg.dtype, enable_prefix_caching=False)
+    engine, tok = llm.llm_engine, llm.get_tokenizer()
+    greedy = SamplingParams(temperature=0, max_tokens=cfg.decode_tokens, ignore_eos=True)
+    llm.generate("warm up", SamplingParams(max_tokens=4), use_tqdm=False)
+
+    def timed(prompt_ids: list[int], params: SamplingParams) -> tuple[float, float, int]:
+        start = time.perf_counter()
+        engine.add_request({"prompt_token_ids": prompt_ids}, params)
+        first = last = None
+        n = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                last = time.perf_counter()
+                first = first or last
+                n = len(out.outputs[0].token_ids)
+        return first - start, last - first, n
+
+    prompt = tok.encode(DEFAULT_PROMPT)[:PROMPT_TOKENS]
+    _, decode_s, n = timed(prompt, greedy)
+    ttft, _, _ = timed(_prefill_prompt(tok.encode, cfg.prefill_tokens), SamplingParams(temperature=0, max_tokens=1))
+    batch = {}
+    for size in cfg.batch_sizes:
+        prompts = [{"prompt_token_ids": tok.encode(f"Story {i}: ") + prompt} for i in range(size)]
+        start = time.perf_counter()
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        batch[str(size)] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+    model = engine.runner.model
+    weight_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    return EngineResult("tokenloop", (n - 1) / decode_s, cfg.prefill_tokens / ttft, ttft * 1e3, batch, weight_bytes=weight_bytes)
+
+
+def _bench_llamacpp(cfg: BenchConfig) -> EngineResult:
+    from llama_cpp import Llama
+
+    llm = Llama(cfg.model, n_ctx=4096, n_batch=512, n_threads=cfg.threads, n_threads_batch=cfg.threads, verbose=False)
+    ban_eos = {llm.token_eos(): -1e9}
+
+    def timed(prompt: list[int], max_tokens: int) -> tuple[float, float, int]:
+        llm.reset()  # llama-cpp-python reuses a matching prefix of the previous call: start cold every time
+        start = time.perf_counter()
+        first = last = None
+        n = 0
+        for _ in llm.create_completion(prompt, max_tokens=max_tokens, temperature=0, stream=True, logit_bias=ban_eos):
+            last = time.perf_counter()
+            first = first or last
+            n += 1
+        return first - start, last - first, n
+
+    _, decode_s, n = timed(llm.tokenize(DEFAULT_PROMPT.encode(), add_bos=False)[:PROMPT_TOKENS], cfg.decode_tokens)
+    ttft, _, _ = timed(_prefill_prompt(lambda s: llm.tokenize(s.encode(), add_bos=False), cfg.prefill_tokens), 1)
+    return EngineResult("llama.cpp", (n - 1) / decode_s, cfg.prefill_tokens / ttft, ttft * 1e3, weight_bytes=os.path.getsize(cfg.model))
+
+
+def _bench_transformers(cfg: BenchConfig) -> EngineResult:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.dirname(cfg.model), os.path.basename(cfg.model)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+    def run(ids: list[int], max_new: int) -> float:
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(torch.tensor([ids]), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - start
+
+    prompt = tok.encode(DEFAULT_PROMPT, add_special_tokens=False)[:PROMPT_TOKENS]
+    run(prompt, 2)
+    ttft = run(_prefill_prompt(lambda s: tok.encode(s, add_special_tokens=False), cfg.prefill_tokens), 1)
+    decode_s = run(prompt, cfg.decode_tokens) - run(prompt, 1)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return EngineResult("transformers", (cfg.decode_tokens - 1) / decode_s, cfg.prefill_tokens / ttft, ttft * 1e3, weight_bytes=weight_bytes)
+
+
+def run_engine(engine: str, cfg: BenchConfig) -> EngineResult:
+    """Run one engine in a fresh subprocess; its peak RSS is read there."""
+    cmd = [sys.executable, "-m", "tokenloop.bench.offline", engine, json.dumps(asdict(cfg))]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return EngineResult(engine, error=(proc.stderr.strip().splitlines() or ["failed"])[-1][:200])
+    return EngineResult(**json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def memory_bandwidth_gbs() -> float:
+    """Copy bandwidth of a 512 MiB tensor (bytes read + written per second): the ceiling for a decode step."""
+    src = torch.ones(128 * 2**20)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src)
+    return 5 * 2 * src.numel() * 4 / (time.perf_counter() - start) / 1e9
+
+
+def format_table(results: list[EngineResult], cfg: BenchConfig, bandwidth: float) -> str:
+    ours = results[0]
+    rows = [("single-stream decode, tokens/s", lambda r: r.decode_tps),
+            (f"prefill of {cfg.prefill_tokens} tokens, tokens/s", lambda r: r.prefill_tps),
+            (f"time to first token ({cfg.prefill_tokens} tokens), ms", lambda r: r.ttft_ms)]
+    rows += [(f"{b} concurrent × {cfg.decode_tokens} tokens, tokens/s", lambda r, b=b: (r.batch_tps or {}).get(str(b)))
+             for b in cfg.batch_sizes]
+    rows += [("peak RSS, MiB", lambda r: r.peak_rss_mib),
+             (f"decode GB/s (memory copy: {bandwidth:.1f} GB/s)", lambda r: r.decode_tps and r.weight_bytes and r.decode_tps * r.weight_bytes / 1e9)]
+    peers = results[1:]
+    header = f"{'':48}{'tokenloop':>12}" + "".join(f"{r.engine:>14}{'ratio':>8}" for r in peers)
+    lines = [f"tokenloop bench: {os.path.basename(cfg.model)}, dtype {cfg.dtype}, {cfg.threads} threads", header]
+    for label, get in rows:
+        line = f"{label:48}{_fmt(get(ours)):>12}"
+        for r in peers:
+            mine, theirs = get(ours), get(r)
+            ratio = f"{mine / theirs:.2f}x" if mine and theirs else "-"
+            line += f"{_fmt(theirs):>14}{ratio:>8}"
+        lines.append(line)
+    lines += [f"{r.engine}: {r.error}" for r in results if r.error]
+    lines.append("ratio = tokenloop / peer; llama-cpp-python runs one request at a time, so it has no batched rows.")
+    return "\n".join(lines)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", "-m", default=None, help="known name or .gguf file (default: the default model)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--prefill-tokens", type=int, default=1024)
+    parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ", ".join(ENGINES))
+
+
+def main_from_args(args: argparse.Namespace) -> int:
+    from tokenloop.models.store import resolve
+
+    cfg = BenchConfig(str(resolve(args.model)), args.dtype, args.threads, args.decode_tokens, args.prefill_tokens)
+    engines = ["tokenloop"] + [e for e in args.engines.split(",") if e in ENGINES and e != "tokenloop"]
+    results = [run_engine(e, cfg) for e in engines]
+    print(format_table(results, cfg, memory_bandwidth_gbs()))
+    return 0
+
+
+def _child(engine: str, cfg_json: str) -> None:
+    cfg = BenchConfig(**{**json.loads(cfg_json), "batch_sizes": tuple(json.loads(cfg_json)["batch_sizes"])})
+    torch.set_num_threads(cfg.threads)
+    bench = {"tokenloop": _bench_tokenloop, "llama.cpp": _bench_llamacpp, "transformers": _bench_transformers}[engine]
+    result = bench(cfg)
+    result.peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(asdict(result)))
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], sys.argv[2])
