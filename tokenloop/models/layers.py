@@ -45,11 +45,20 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
-        inv_freq = rope_inverse_frequencies(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # (max_positions, head_dim/2)
+        self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
+        self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)  # (max_positions, head_dim)
+        self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
+        if self.cos.device.type != "meta":
+            self.reset_tables()
+
+    def reset_tables(self) -> None:
+        """Fill cos/sin (after a model built on the meta device is given real memory)."""
+        inv_freq = rope_inverse_frequencies(self.head_dim, self.theta, self.scaling).to(self.cos.device)
+        positions = torch.arange(self.max_positions, dtype=torch.float32, device=self.cos.device)
+        freqs = torch.outer(positions, inv_freq)  # (max_positions, head_dim/2)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)  # (max_positions, head_dim)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.cos = emb.cos()
+        self.sin = emb.sin()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: (T,); q: (T, heads, head_dim); k: (T, kv_heads, head_dim)

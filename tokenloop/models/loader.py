@@ -15,6 +15,7 @@ from tokenloop.models.config import ModelConfig
 from tokenloop.models.gguf_loader import config_from_gguf, iter_gguf_weights
 from tokenloop.models.gguf_metadata import open_gguf, read_metadata
 from tokenloop.models.hf_loader import config_from_folder, iter_safetensors_weights
+from tokenloop.models.layers import RotaryEmbedding
 from tokenloop.models.registry import model_class
 from tokenloop.tokenizer.tokenizer import Tokenizer
 
@@ -47,12 +48,19 @@ def load_model(
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """Parameters are created directly in their dtype on their device (no float32 copy on the way)."""
+    """Parameters in their dtype on their device, left uninitialised: the checkpoint writes every one of them
+    (load_weights checks), so random initialisation would be seconds of wasted work."""
     cls = model_class(config.architecture)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
-            return cls(config)
+        with torch.device("meta"):
+            model = cls(config)
     finally:
         torch.set_default_dtype(previous)
+    model.to_empty(device=device)
+    model.tie_weights()
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):  # its tables are computed, not loaded
+            module.reset_tables()
+    return model
