@@ -39,6 +39,19 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# K-quant block layouts (256 values each): where the fp16 super-block scales sit, and the block size in bytes.
+K_QUANT_SCALES = {Q.Q4_K: ((0, 2), 144), Q.Q5_K: ((0, 2), 176), Q.Q6_K: ((208,), 210)}
+
+
+def random_k_quant(data: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
+    """Random K-quant blocks with finite, small fp16 scales (gguf-py can dequantize K-quants but not quantize them)."""
+    offsets, size = K_QUANT_SCALES[qtype]
+    blocks = rng.integers(0, 256, size=(data.shape[0], data.shape[1] // 256, size), dtype=np.uint8)
+    for offset in offsets:
+        blocks[..., offset : offset + 2] = np.frombuffer(np.float16(0.002).tobytes(), dtype=np.uint8)
+    return blocks.reshape(data.shape[0], -1)
+
+
 def write_gguf(model, arch: str, path: Path, qtype: Q, extra_tensor: str | None = None) -> Path:
     c = model.config
     w = gguf.GGUFWriter(str(path), arch)
@@ -57,7 +70,9 @@ def write_gguf(model, arch: str, path: Path, qtype: Q, extra_tensor: str | None 
         data = tensor.float().numpy()
         if arch == "llama" and ("q_proj.weight" in name or "k_proj.weight" in name):
             data = permute(data, c.num_attention_heads if "q_proj" in name else c.num_key_value_heads)
-        if data.ndim == 2 and qtype != Q.F32:
+        if data.ndim == 2 and qtype in K_QUANT_SCALES:
+            w.add_tensor(gguf_name(name), random_k_quant(data, qtype, np.random.default_rng(len(name))), raw_dtype=qtype)
+        elif data.ndim == 2 and qtype != Q.F32:
             w.add_tensor(gguf_name(name), quantize(data, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gguf_name(name), data)
@@ -138,3 +153,22 @@ def test_gguf_names_map_to_hugging_face_names():
     assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
     with pytest.raises(ValueError, match="unsupported GGUF tensor"):
         hf_name("blk.0.ffn_gate_exps.weight")
+
+
+@pytest.fixture(scope="module")
+def wide_llama():
+    """K-quants pack 256 values per block: every row must be a multiple of 256 long."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**TINY, "hidden_size": 256, "intermediate_size": 512}, tie_word_embeddings=False)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K])
+def test_k_quant_gguf_matches_transformers_on_the_same_file(wide_llama, tmp_path, qtype):
+    path = write_gguf(wide_llama, "llama", tmp_path / "m.gguf", qtype)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+    with torch.no_grad():
+        expected = reference.eval()(torch.tensor([TOKENS])).logits[0]
+    ours = our_logits(path)
+    assert expected.abs().max() > 0.1  # the random blocks give a model that says something
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
