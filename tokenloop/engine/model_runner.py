@@ -22,6 +22,22 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 
 
 @dataclass(slots=True)
+class StepSamples:
+    """A step's samples as Python lists (one device-to-host copy per step), rows = sequences that sampled."""
+
+    token_ids: list[int]
+    logprobs: list[list[float]] | None  # per row: the chosen token's logprob, then the top K
+    logprob_token_ids: list[list[int]] | None
+    ranks: list[int] | None
+
+    @classmethod
+    def from_sampler(cls, out: SamplerOutput) -> StepSamples:
+        if out.logprobs is None:
+            return cls(out.token_ids.tolist(), None, None, None)
+        return cls(out.token_ids.tolist(), out.logprobs.tolist(), out.logprob_token_ids.tolist(), out.ranks.tolist())
+
+
+@dataclass(slots=True)
 class ModelInput:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
@@ -79,7 +95,7 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[int], SamplerOutput | None]:
+    def execute(self, batch: ScheduledBatch) -> tuple[list[int], StepSamples | None]:
         """Run one step; returns the batch indices of the sequences that sampled, and their samples."""
         inp = self.prepare(batch)
         hidden = self.model(inp.input_ids, inp.positions, inp.meta)
@@ -90,4 +106,4 @@ class ModelRunner:
         sampling = SamplingBatch.from_params(
             [s.params for s in seqs], [s.generator for s in seqs], logits.shape[-1], logits.device
         )
-        return inp.sample_seq_indices, self.sampler(logits, sampling)
+        return inp.sample_seq_indices, StepSamples.from_sampler(self.sampler(logits, sampling))

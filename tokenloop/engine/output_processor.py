@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenloop.engine.model_runner import StepSamples
 from tokenloop.engine.sequence import Sequence
 from tokenloop.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenloop.sampling.params import SamplingParams
-from tokenloop.sampling.sampler import SamplerOutput
 from tokenloop.tokenizer.detokenizer import IncrementalDetokenizer
 from tokenloop.tokenizer.tokenizer import Tokenizer
 
@@ -47,13 +47,13 @@ class OutputProcessor:
         self.eos_token_ids = set(tokenizer.eos_token_ids)
         self.max_model_len = max_model_len
 
-    def append(self, state: CompletionState, samples: SamplerOutput, row: int) -> None:
+    def append(self, state: CompletionState, samples: StepSamples, row: int) -> None:
         """Add the token sampled at `row` to a completion; marks it finished when a stop condition holds."""
         seq, params = state.seq, state.seq.params
-        token = int(samples.token_ids[row])
+        token = samples.token_ids[row]
         seq.token_ids.append(token)
         if samples.logprobs is not None and params.logprobs is not None:
-            state.cumulative_logprob += float(samples.logprobs[row, 0])
+            state.cumulative_logprob += samples.logprobs[row][0]
             state.logprobs = state.logprobs if state.logprobs is not None else []
             state.logprobs.append(self._logprob_dict(samples, row, params.logprobs))
         stop_string = state.detokenizer.update([token])
@@ -67,11 +67,11 @@ class OutputProcessor:
             seq.finish_reason = "length"
         state.streamed_text += state.detokenizer.stream_delta(finished=seq.finish_reason is not None)
 
-    def _logprob_dict(self, samples: SamplerOutput, row: int, k: int) -> dict[int, Logprob]:
+    def _logprob_dict(self, samples: StepSamples, row: int, k: int) -> dict[int, Logprob]:
         """The chosen token first, then the top k (the chosen one may be among them: k or k + 1 entries)."""
-        ids = samples.logprob_token_ids[row, : k + 1].tolist()
-        values = samples.logprobs[row, : k + 1].tolist()
-        entries = {ids[0]: Logprob(values[0], int(samples.ranks[row]), self.tokenizer.decode([ids[0]]))}
+        ids = samples.logprob_token_ids[row][: k + 1]
+        values = samples.logprobs[row][: k + 1]
+        entries = {ids[0]: Logprob(values[0], samples.ranks[row], self.tokenizer.decode([ids[0]]))}
         for rank, (tid, lp) in enumerate(zip(ids[1:], values[1:]), start=1):
             entries.setdefault(tid, Logprob(lp, rank, self.tokenizer.decode([tid])))
         return entries
