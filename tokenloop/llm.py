@@ -39,9 +39,7 @@ class LLM:
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
         engine = self.llm_engine
         # Tokenize and validate every prompt before any runs, so a bad one does not leave the others half-done.
-        inputs = [dict(zip(("prompt", "prompt_token_ids"), engine.tokenize_prompt(p))) for p in prompts]
-        for prompt, params in zip(inputs, sampling_params):
-            engine.validate_prompt(prompt["prompt_token_ids"], params)
+        inputs = [engine.process_prompt(p, sp) for p, sp in zip(prompts, sampling_params)]
         ids = [engine.add_request(p, sp) for p, sp in zip(inputs, sampling_params)]
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generating", disable=not use_tqdm or len(ids) < 2) as bar:
@@ -66,6 +64,4 @@ class LLM:
 
     def chat_prompt(self, conversation: Conversation, add_generation_prompt: bool = True) -> dict:
         """A conversation as a prompt: the template's text and its token ids (special tokens parsed)."""
-        tokenizer = self.get_tokenizer()
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
-        return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+        return self.llm_engine.chat_prompt(conversation, add_generation_prompt)

@@ -48,15 +48,9 @@ class AsyncEngine:
         self._wakeup.set()
         self._thread.join(timeout=30)
 
-    def tokenize_and_validate(self, prompt: Prompt, params: SamplingParams) -> dict:
-        """Raises ValueError for a bad prompt or sampling values, before anything is queued."""
-        text, token_ids = self.engine.tokenize_prompt(prompt)
-        self.engine.validate_prompt(token_ids, params)
-        return {"prompt": text, "prompt_token_ids": token_ids}
-
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (cumulative); leaving the iteration early aborts it and frees its blocks."""
-        tokenized = self.tokenize_and_validate(prompt, params)
+        tokenized = self.engine.process_prompt(prompt, params)  # ValueError here, before anything is queued
         if request_id is None:
             self._ids += 1
             request_id = f"req-{self._ids}"

@@ -93,10 +93,21 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        params = params or SamplingParams()
+    def process_prompt(self, prompt: Prompt, params: SamplingParams) -> dict[str, Any]:
+        """Tokenize and validate a prompt: {"prompt", "prompt_token_ids"}, or ValueError before anything is queued."""
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids, params)
+        return {"prompt": text, "prompt_token_ids": token_ids}
+
+    def chat_prompt(self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True) -> dict[str, Any]:
+        """A conversation as a prompt: the chat template's text and its token ids (special tokens parsed)."""
+        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        processed = self.process_prompt(prompt, params)
+        text, token_ids = processed["prompt"], processed["prompt_token_ids"]
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")

@@ -63,8 +63,7 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
                 # Wait holding nothing: cached blocks kept by a waiting request could starve the running ones.
-                self.block_manager.free(seq)
-                seq.num_computed_tokens = seq.num_cached_tokens = 0
+                self._release(seq)
                 break  # retried next step, once running sequences have freed blocks
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -76,11 +75,15 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
+        self._release(seq)
         seq.status = SequenceStatus.WAITING
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Give back a sequence's blocks; its K/V is then computed again (the prefix cache may return some)."""
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
 
     def finish(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED

@@ -103,7 +103,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
     def start_streams(prompts: list, params: SamplingParams) -> list[AsyncIterator[RequestOutput]]:
         """Validate every prompt before starting any, so that a bad one leaves nothing running."""
         try:
-            tokenized = [engine.tokenize_and_validate(p, params) for p in prompts]
+            tokenized = [engine.engine.process_prompt(p, params) for p in prompts]
         except ValueError as e:
             raise APIError(400, str(e), _param_of(str(e)) or "prompt") from None
         return [engine.generate(t, params) for t in tokenized]
@@ -140,15 +140,13 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
         params = _params(lambda: body.sampling_params(body.effective_max_tokens(), body.effective_logprobs()))
-        tokenizer = engine.engine.tokenizer
         try:
             if not body.messages:
                 raise ValueError("messages must not be empty")
             messages = [m.as_template_message() for m in body.messages]
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+            prompt = engine.engine.chat_prompt(messages, body.add_generation_prompt)
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
-        prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
         streams = start_streams([prompt], params)
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()), "model": model_name}
         if body.stream:
