@@ -4,55 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 
 from tokenloop.bench import offline as offline_bench
 from tokenloop.bench import serve as serve_bench
 from tokenloop.models import store
-
-
-@dataclass(slots=True)
-class StreamStats:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    output_tokens: int = 0
-    prefill_s: float = 0.0  # request start → first token
-    decode_s: float = 0.0  # first token → last token
-
-    def summary(self) -> str:
-        prefill_rate = (self.prompt_tokens - self.cached_tokens) / self.prefill_s if self.prefill_s else 0.0
-        decode_rate = (self.output_tokens - 1) / self.decode_s if self.decode_s else 0.0
-        return (
-            f"prompt: {self.prompt_tokens} tokens ({self.cached_tokens} cached), {prefill_rate:.1f} tokens/s | "
-            f"decode: {self.output_tokens} tokens, {decode_rate:.1f} tokens/s"
-        )
-
-
-def stream(llm, prompt, params, stats: StreamStats) -> Iterator[str]:
-    """Yield the text of one request as it is produced; aborts the request if the consumer stops early."""
-    engine = llm.llm_engine
-    start = time.perf_counter()
-    request_id = engine.add_request(prompt, params)
-    shown, first = 0, None
-    try:
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.request_id != request_id:
-                    continue
-                now = time.perf_counter()
-                if first is None:
-                    first = now
-                    stats.prefill_s = now - start
-                    stats.prompt_tokens, stats.cached_tokens = len(out.prompt_token_ids), out.num_cached_tokens
-                stats.output_tokens, stats.decode_s = len(out.outputs[0].token_ids), now - first
-                text = out.outputs[0].text
-                if len(text) > shown:
-                    yield text[shown:]
-                    shown = len(text)
-    finally:
-        engine.abort_request(request_id)  # no-op once finished; frees the blocks on Ctrl-C
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -85,10 +40,12 @@ def _llm(args):
 
 
 def cmd_generate(args) -> int:
+    from tokenloop.engine.streaming import StreamStats, stream
+
     params = _sampling_params(args)
     llm = _llm(args)
     stats = StreamStats()
-    for delta in stream(llm, args.prompt, params, stats):
+    for delta in stream(llm.llm_engine, args.prompt, params, stats):
         print(delta, end="", flush=True)
     print()
     if args.stats:
@@ -97,6 +54,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
+    from tokenloop.engine.streaming import StreamStats, stream
+
     params = _sampling_params(args)
     llm = _llm(args)
     system = [{"role": "system", "content": args.system}] if args.system else []
@@ -119,7 +78,7 @@ def cmd_chat(args) -> int:
         stats = StreamStats()
         reply = ""
         # Earlier turns are still in the prefix cache: only the new turn is prefilled.
-        for delta in stream(llm, llm.chat_prompt(system + history), params, stats):
+        for delta in stream(llm.llm_engine, llm.chat_prompt(system + history), params, stats):
             reply += delta
             print(delta, end="", flush=True)
         print()

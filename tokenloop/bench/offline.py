@@ -54,27 +54,22 @@ def _prefill_prompt(tokenize, n: int) -> list[int]:
 
 def _bench_tokenloop(cfg: BenchConfig) -> EngineResult:
     from tokenloop import LLM, SamplingParams
+    from tokenloop.engine.streaming import StreamStats, stream
 
     llm = LLM(cfg.model, dtype=cfg.dtype, enable_prefix_caching=False)
     engine, tok = llm.llm_engine, llm.get_tokenizer()
     greedy = SamplingParams(temperature=0, max_tokens=cfg.decode_tokens, ignore_eos=True)
     llm.generate("warm up", SamplingParams(max_tokens=4), use_tqdm=False)
 
-    def timed(prompt_ids: list[int], params: SamplingParams) -> tuple[float, float, int]:
-        start = time.perf_counter()
-        engine.add_request({"prompt_token_ids": prompt_ids}, params)
-        first = last = None
-        n = 0
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                last = time.perf_counter()
-                first = first or last
-                n = len(out.outputs[0].token_ids)
-        return first - start, last - first, n
+    def timed(prompt_ids: list[int], params: SamplingParams) -> StreamStats:
+        stats = StreamStats()
+        for _ in stream(engine, {"prompt_token_ids": prompt_ids}, params, stats):
+            pass
+        return stats
 
     prompt = tok.encode(DEFAULT_PROMPT)[:PROMPT_TOKENS]
-    _, decode_s, n = timed(prompt, greedy)
-    ttft, _, _ = timed(_prefill_prompt(tok.encode, cfg.prefill_tokens), SamplingParams(temperature=0, max_tokens=1))
+    decode = timed(prompt, greedy)
+    prefill = timed(_prefill_prompt(tok.encode, cfg.prefill_tokens), SamplingParams(temperature=0, max_tokens=1))
     batch = {}
     for size in cfg.batch_sizes:
         prompts = [{"prompt_token_ids": tok.encode(f"Story {i}: ") + prompt} for i in range(size)]
@@ -83,7 +78,7 @@ def _bench_tokenloop(cfg: BenchConfig) -> EngineResult:
         batch[str(size)] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
     model = engine.runner.model
     weight_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-    return EngineResult("tokenloop", (n - 1) / decode_s, cfg.prefill_tokens / ttft, ttft * 1e3, batch, weight_bytes=weight_bytes)
+    return EngineResult("tokenloop", decode.decode_rate, prefill.prefill_rate, prefill.prefill_s * 1e3, batch, weight_bytes=weight_bytes)
 
 
 def _bench_llamacpp(cfg: BenchConfig) -> EngineResult:
