@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 
 from tokenloop.cli import main
 
@@ -44,3 +45,17 @@ def test_bad_sampling_value_names_the_field(tiny_model_folder, capsys):
 def test_models_lists_the_default(capsys):
     assert main(["models"]) == 0
     assert "smollm2-135m-instruct (default)" in capsys.readouterr().out
+
+
+def test_perplexity_prints_the_score_of_a_file(tiny_model_folder, tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 8)
+    assert main(["perplexity", str(text), "--model", str(tiny_model_folder), "--window", "32"]) == 0
+    out = capsys.readouterr().out
+    assert re.fullmatch(r"perplexity \d+\.\d{3} over \d+ tokens \(window 32, dtype auto\) in \d+\.\d s\n", out)
+
+
+def test_perplexity_of_a_missing_file_is_a_clean_error(tmp_path, capsys):
+    assert main(["perplexity", str(tmp_path / "missing.txt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot read") and "missing.txt" in err and "Traceback" not in err

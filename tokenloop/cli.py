@@ -1,9 +1,11 @@
-"""The `tokenloop` command: generate, chat, models, pull."""
+"""The `tokenloop` command: generate, chat, perplexity, serve, bench, models, pull."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+from pathlib import Path
 
 from tokenloop.bench import offline as offline_bench
 from tokenloop.bench import serve as serve_bench
@@ -87,6 +89,24 @@ def cmd_chat(args) -> int:
             print(stats.summary(), file=sys.stderr)
 
 
+def cmd_perplexity(args) -> int:
+    from tokenloop.engine.perplexity import perplexity
+
+    try:
+        text = Path(args.file).read_text(encoding="utf-8")
+    except OSError as e:  # checked before the model loads
+        raise ValueError(f"cannot read {args.file}: {e.strerror or e}") from None
+    llm = _llm(args)
+    start = time.perf_counter()
+    result = perplexity(llm, text, window=args.window, max_tokens=args.max_tokens)
+    seconds = time.perf_counter() - start
+    print(
+        f"perplexity {result.perplexity:.3f} over {result.num_scored_tokens} tokens "
+        f"(window {args.window}, dtype {args.dtype}) in {seconds:.1f} s"
+    )
+    return 0
+
+
 def cmd_serve(args) -> int:
     from tokenloop.engine.llm_engine import EngineConfig
     from tokenloop.server.serve import serve
@@ -124,6 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--system", default=None, help="system message")
     _add_model_args(p)
     p.set_defaults(func=cmd_chat)
+    p = sub.add_parser("perplexity", help="perplexity of the model on a text file")
+    p.add_argument("file")
+    p.add_argument("--model", "-m", default=None, help=f"known name, .gguf file or HF folder (default {store.DEFAULT_MODEL})")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--device", default=None, help="torch device (default: the accelerator if any, else the CPU)")
+    p.add_argument("--window", type=int, default=512, help="tokens per window; each window is a fresh context")
+    p.add_argument("--max-tokens", type=int, default=None, help="score only the text's first N tokens")
+    p.set_defaults(func=cmd_perplexity)
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     p.add_argument("--model", "-m", default=None, help=f"known name, .gguf file or HF folder (default {store.DEFAULT_MODEL})")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
