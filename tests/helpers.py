@@ -34,7 +34,7 @@ def forward_in_chunks(loaded: LoadedModel, token_ids: list[int], chunks: list[in
 
 def _forward(loaded: LoadedModel, token_ids: list[int], chunks: list[int], block_size: int) -> torch.Tensor:
     num_blocks = -(-len(token_ids) // block_size) + 1
-    dtype = next(loaded.model.parameters()).dtype
+    dtype = loaded.model.norm.weight.dtype  # the activation dtype (a fast-path embedding may be bfloat16)
     device = next(loaded.model.parameters()).device
     runner = ModelRunner(loaded.model, loaded.config, num_blocks, block_size, dtype, device)
     blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)

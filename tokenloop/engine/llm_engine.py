@@ -29,7 +29,9 @@ Prompt = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt": ...}
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None  # known name, .gguf file or Hugging Face folder; None = the default model
-    dtype: str = "auto"  # "float32" (exact reference path), "bfloat16", "float16"; "auto" = float32 for now
+    # "auto": the fast path (4-bit GGUF weights stay 4-bit, float32 activations); "float32": every weight
+    # dequantized to float32 (the exact reference path); "bfloat16", "float16".
+    dtype: str = "auto"
     device: str | None = None  # None = the first accelerator torch finds, else the CPU
     block_size: int = 16  # tokens per KV cache block
     kv_cache_gb: float = 1.0  # memory for the KV block pool
@@ -63,7 +65,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         dtype, device = config.torch_dtype, config.torch_device
-        loaded = load_model(config.model, dtype, device)
+        loaded = load_model(config.model, dtype, device, keep_quantized=config.dtype == "auto")
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings)

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
+import numpy as np
 import torch
 from torch import nn
 
@@ -19,6 +22,14 @@ from tokenloop.sampling.sampler import Sampler, SamplerOutput, SamplingBatch
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
+
+
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled KV pool. On the CPU it comes from calloc, whose pages stay unmapped (and out of the
+    resident memory) until a token is written there: a pool sized for the worst case costs what it holds."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.from_numpy(np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8)).view(dtype).view(shape)
 
 
 @dataclass(slots=True)
@@ -53,8 +64,8 @@ class ModelRunner:
         self.model, self.config, self.block_size, self.device = model, config, block_size, device
         shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
         for attn in model.attention_layers():
-            attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-            attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+            attn.k_cache = zeroed_pool(shape, dtype, device)
+            attn.v_cache = zeroed_pool(shape, dtype, device)
         self.sampler = Sampler()
 
     def prepare(self, batch: ScheduledBatch) -> ModelInput:

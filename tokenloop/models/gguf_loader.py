@@ -12,6 +12,7 @@ import torch
 from gguf.quants import dequantize
 
 from tokenloop.models.config import ModelConfig
+from tokenloop.models.quant import INT4_TENSOR_TYPES, Int4Tensor, int4_from_gguf_blocks
 
 # GGUF's general.architecture → Hugging Face class name. Mistral GGUFs declare "llama".
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -84,18 +85,30 @@ def hf_name(gguf_name: str) -> str:
     return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
 
 
-def iter_gguf_weights(reader: gguf.GGUFReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Hugging Face name, float32 tensor), dequantizing one tensor at a time from the memory map."""
+def iter_gguf_weights(
+    reader: gguf.GGUFReader, config: ModelConfig, keep_int4: bool = False
+) -> Iterator[tuple[str, torch.Tensor | Int4Tensor]]:
+    """Yield (Hugging Face name, tensor) one at a time from the memory map: float32, dequantized, except
+    Q4_0/Q4_1 tensors with keep_int4, which come as Int4Tensor (the file's own integers and scales)."""
     permute_qk = reader.fields["general.architecture"].contents() == "llama"
     for t in reader.tensors:
         if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
             supported = ", ".join(sorted(q.name for q in SUPPORTED_TENSOR_TYPES))
             raise ValueError(f"tensor {t.name!r} has unsupported type {t.tensor_type.name} (supported: {supported})")
-        weights = dequantize(t.data, t.tensor_type)
+        rows = slice(None)  # llama's Q/K rows come permuted: index them back into rotate-half order
         if permute_qk and t.name.endswith((".attn_q.weight", ".attn_k.weight")):
             heads = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
-            weights = unpermute_rope_rows(weights, heads)
-        yield hf_name(t.name), torch.from_numpy(np.require(weights, requirements=["C", "W"]))
+            rows = torch.from_numpy(unpermute_rope_rows(np.arange(t.data.shape[0]), heads))
+        if keep_int4 and t.tensor_type in INT4_TENSOR_TYPES:
+            yield hf_name(t.name), int4_from_gguf_blocks(t.data, t.tensor_type).rows(rows)
+        else:
+            weights = torch.from_numpy(np.require(dequantize(t.data, t.tensor_type), requirements=["C", "W"]))
+            yield hf_name(t.name), weights[rows]
+
+
+def int4_tensor_names(reader: gguf.GGUFReader) -> set[str]:
+    """Hugging Face names of the tensors that iter_gguf_weights(keep_int4=True) yields as Int4Tensor."""
+    return {hf_name(t.name) for t in reader.tensors if t.tensor_type in INT4_TENSOR_TYPES}
 
 
 def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:

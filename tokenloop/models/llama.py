@@ -7,6 +7,7 @@ and the attention metadata that says where their K/V go in the cache and what ea
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,6 +15,7 @@ from torch import nn
 from tokenloop.models.attention import AttentionMetadata, KVCacheAttention
 from tokenloop.models.config import ModelConfig
 from tokenloop.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+from tokenloop.models.quant import Int4Linear, Int4Tensor, low_precision_linear
 
 
 class DecoderAttention(nn.Module):
@@ -76,13 +78,13 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """(T,) token ids and positions → (T, hidden) final hidden states."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids).to(self.norm.weight.dtype)  # the embedding may be stored in bfloat16
         for layer in self.layers:
             x = layer(positions, x, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)  # (N, vocab)
+        return low_precision_linear(hidden, self.lm_head.weight)  # (N, vocab)
 
     def attention_layers(self) -> list[KVCacheAttention]:
         return [layer.self_attn.attn for layer in self.layers]
@@ -93,36 +95,65 @@ class LlamaForCausalLM(nn.Module):
             return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
         return [c.intermediate_size, c.intermediate_size]
 
+    def checkpoint_target(self, ckpt_name: str) -> tuple[str, int, slice]:
+        """A checkpoint tensor's destination: (our parameter name, shard index, rows of that parameter)."""
+        name = ckpt_name.removeprefix("model.")
+        for ckpt_part, (packed, shard_index) in self.packed_modules.items():
+            if f".{ckpt_part}." in name:
+                sizes = self.shard_sizes(packed)
+                start = sum(sizes[:shard_index])
+                return name.replace(ckpt_part, packed), shard_index, slice(start, start + sizes[shard_index])
+        return name, 0, slice(None)
+
+    def use_int4(self, int4_checkpoint_names: set[str]) -> None:
+        """Turn into Int4Linear every decoder linear whose checkpoint tensors (all shards) are 4-bit.
+
+        Call on the meta device, before the weights are loaded."""
+        shards: dict[str, set[str]] = {}
+        for name in int4_checkpoint_names:
+            target, _, _ = self.checkpoint_target(name)
+            if target.startswith("layers.") and target.endswith(".weight"):
+                shards.setdefault(target.removesuffix(".weight"), set()).add(name)
+        for module_name, names in shards.items():
+            linear = self.get_submodule(module_name)
+            packed = module_name.split(".")[-1]
+            if len(names) == len(self.shard_sizes(packed) if packed in self.packed_names else [0]):
+                parent, child = module_name.rsplit(".", 1)
+                int4 = Int4Linear(linear.in_features, linear.out_features, linear.bias is not None)
+                setattr(self.get_submodule(parent), child, int4)
+
+    @property
+    def packed_names(self) -> set[str]:
+        return {packed for packed, _ in self.packed_modules.values()}
+
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | Int4Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the parameters, packing q/k/v and gate/up.
 
         Every parameter (every shard of a packed one) must be written: a missing or unexpected tensor raises ValueError.
         """
-        params = dict(self.named_parameters())
-        packed_names = {packed for packed, _ in self.packed_modules.values()}
+        params: dict[str, Any] = dict(self.named_parameters())
+        params |= {f"{name}.weight": m for name, m in self.named_modules() if isinstance(m, Int4Linear)}
         expected = set()
         for name in params:
             module = name.split(".")[-2]
-            expected |= {(name, i) for i in range(len(self.shard_sizes(module)))} if module in packed_names else {(name, 0)}
+            expected |= {(name, i) for i in range(len(self.shard_sizes(module)))} if module in self.packed_names else {(name, 0)}
         written = set()
         for ckpt_name, tensor in weights:
-            name = ckpt_name.removeprefix("model.")
-            if self.config.tie_word_embeddings and name == "lm_head.weight":
+            if self.config.tie_word_embeddings and ckpt_name.removeprefix("model.") == "lm_head.weight":
                 continue  # some checkpoints store the tied head anyway
-            target, shard, rows = name, 0, slice(None)
-            for ckpt_part, (packed, shard_index) in self.packed_modules.items():
-                if f".{ckpt_part}." in name:
-                    sizes = self.shard_sizes(packed)
-                    start = sum(sizes[:shard_index])
-                    target, shard, rows = name.replace(ckpt_part, packed), shard_index, slice(start, start + sizes[shard_index])
-                    break
+            target, shard, rows = self.checkpoint_target(ckpt_name)
             if target not in params:
                 raise ValueError(f"unexpected tensor {ckpt_name!r} in the checkpoint")
-            dest = params[target][rows]
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise ValueError(f"tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-            dest.copy_(tensor)
+            dest = params[target]
+            dest_shape = (dest.out_features, dest.in_features) if isinstance(dest, Int4Linear) else dest.shape
+            rows_shape = (len(range(dest_shape[0])[rows]), *dest_shape[1:])
+            if tuple(rows_shape) != tuple(tensor.shape):
+                raise ValueError(f"tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, expected {tuple(rows_shape)}")
+            if isinstance(dest, Int4Linear):
+                dest.load_rows(rows, tensor)
+            else:
+                dest[rows].copy_(tensor.dequantize() if isinstance(tensor, Int4Tensor) else tensor)
             written.add((target, shard))
         if missing := sorted(expected - written):
             raise ValueError(f"checkpoint is missing tensors for: {[name for name, _ in missing[:8]]}")

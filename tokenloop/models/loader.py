@@ -12,7 +12,7 @@ from torch import nn
 
 from tokenloop.models import store
 from tokenloop.models.config import ModelConfig
-from tokenloop.models.gguf_loader import config_from_gguf, iter_gguf_weights
+from tokenloop.models.gguf_loader import config_from_gguf, int4_tensor_names, iter_gguf_weights
 from tokenloop.models.gguf_metadata import open_gguf, read_metadata
 from tokenloop.models.hf_loader import config_from_folder, iter_safetensors_weights
 from tokenloop.models.layers import RotaryEmbedding
@@ -29,9 +29,16 @@ class LoadedModel:
 
 
 def load_model(
-    name_or_path: str | os.PathLike | None, dtype: torch.dtype, device: torch.device, load_tokenizer: bool = True
+    name_or_path: str | os.PathLike | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_tokenizer: bool = True,
+    keep_quantized: bool = False,
 ) -> LoadedModel:
+    """keep_quantized: GGUF Q4_0/Q4_1 linears stay 4-bit (Int4Linear) and the embedding / LM head of such a file
+    is held in bfloat16 (the fast path); otherwise every weight is dequantized to `dtype` (the exact path)."""
     path = store.resolve(name_or_path)
+    int4_names: set[str] = set()
     if path.is_dir():
         config = config_from_folder(path)
         weights: Iterable[tuple[str, torch.Tensor]] = iter_safetensors_weights(path)
@@ -40,14 +47,18 @@ def load_model(
         reader = open_gguf(path)
         meta = read_metadata(reader)
         config = config_from_gguf(meta, {t.name for t in reader.tensors})
-        weights = iter_gguf_weights(reader, config)
+        int4_names = int4_tensor_names(reader) if keep_quantized else set()
+        weights = iter_gguf_weights(reader, config, keep_int4=keep_quantized)
         tokenizer = Tokenizer.from_gguf_metadata(meta) if load_tokenizer else None
-    model = build_model(config, dtype, device)
+    model = build_model(config, dtype, device, int4_names)
     model.load_weights(weights)
+    if int4_names:
+        model.embed_tokens.to(torch.bfloat16)  # in place: a tied LM head keeps sharing it
+        model.lm_head.to(torch.bfloat16)
     return LoadedModel(model=model.eval(), config=config, tokenizer=tokenizer, path=path)
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, int4_names: set[str] = frozenset()) -> nn.Module:
     """Parameters in their dtype on their device, left uninitialised: the checkpoint writes every one of them
     (load_weights checks), so random initialisation would be seconds of wasted work."""
     cls = model_class(config.architecture)
@@ -56,6 +67,7 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -
     try:
         with torch.device("meta"):
             model = cls(config)
+            model.use_int4(int4_names)
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)

@@ -1,0 +1,64 @@
+"""The fast path's 4-bit weights: GGUF Q4_0/Q4_1 blocks map onto group-32 int4 without changing one weight,
+and a model loaded with them (dtype "auto") stays close to the exact float32 path."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf.quants import dequantize, quantize
+
+from tests.helpers import forward_in_chunks
+from tests.models.test_gguf_loader import TOKENS, tiny_model, write_gguf  # noqa: F401 (tiny_model is a fixture)
+from tokenloop.models.loader import load_model
+from tokenloop.models.quant import LOW_PRECISION_MAX_ROWS, Int4Linear, int4_from_gguf_blocks
+
+Q = gguf.GGMLQuantizationType
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_int4_mapping_reproduces_the_dequantized_gguf_weights_exactly(qtype):
+    rng = np.random.default_rng(0)
+    weights = (rng.standard_normal((96, 128)) * rng.uniform(0.01, 3, (96, 1))).astype(np.float32)
+    weights[3, :32] = 0.5  # a constant group: d = 0 in Q4_1
+    blocks = quantize(weights, qtype)
+    expected = torch.from_numpy(dequantize(blocks, qtype))
+    int4 = int4_from_gguf_blocks(blocks, qtype)
+    assert int4.q.dtype == torch.uint8 and int(int4.q.max()) <= 15
+    assert torch.equal(int4.dequantize(), expected)
+    linear = Int4Linear(128, 96, bias=False)
+    linear.load_rows(slice(0, 64), int4.rows(slice(0, 64)))  # loaded in row blocks, as packed q/k/v are
+    linear.load_rows(slice(64, 96), int4.rows(slice(64, 96)))
+    assert torch.equal(linear.weight_int4().dequantize(), expected)
+
+
+def test_int4_linear_runs_the_kernel_for_few_rows_and_float32_for_many():
+    rng = np.random.default_rng(1)
+    blocks = quantize(rng.standard_normal((64, 96)).astype(np.float32), Q.Q4_1)
+    linear = Int4Linear(96, 64, bias=True)
+    linear.load_rows(slice(None), int4_from_gguf_blocks(blocks, Q.Q4_1))
+    torch.nn.init.normal_(linear.bias)
+    weight = torch.from_numpy(dequantize(blocks, Q.Q4_1))
+    many = torch.randn(LOW_PRECISION_MAX_ROWS + 1, 96)
+    assert torch.equal(linear(many), F.linear(many, weight, linear.bias))  # dense float32 on the exact weights
+    few = many[:2]
+    # bfloat16 activations and scales in the kernel: close to the float32 product, not equal.
+    torch.testing.assert_close(linear(few), F.linear(few, weight, linear.bias), atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_fast_path_keeps_gguf_4bit_linears_and_stays_close_to_float32(tiny_model, tmp_path, qtype):  # noqa: F811
+    arch, model = tiny_model
+    path = write_gguf(model, arch, tmp_path / "m.gguf", qtype)
+    exact = load_model(path, torch.float32, torch.device("cpu"), load_tokenizer=False)
+    fast = load_model(path, torch.float32, torch.device("cpu"), load_tokenizer=False, keep_quantized=True)
+    int4 = [m for m in fast.model.modules() if isinstance(m, Int4Linear)]
+    assert len(int4) == 4 * len(fast.model.layers)  # qkv, o, gate_up, down in every layer
+    for layer_exact, layer_fast in zip(exact.model.layers, fast.model.layers):
+        assert torch.equal(layer_fast.self_attn.qkv_proj.weight_int4().dequantize(), layer_exact.self_attn.qkv_proj.weight)
+    # Many rows at once run dense float32 on the same weights: only the bfloat16 embedding differs.
+    torch.testing.assert_close(forward_in_chunks(fast, TOKENS, [len(TOKENS)]), forward_in_chunks(exact, TOKENS, [len(TOKENS)]), atol=0.02, rtol=0)
+    # One token at a time runs the bfloat16 int4 kernel.
+    torch.testing.assert_close(forward_in_chunks(fast, TOKENS, [1] * len(TOKENS)), forward_in_chunks(exact, TOKENS, [len(TOKENS)]), atol=0.05, rtol=0)

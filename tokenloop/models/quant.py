@@ -1,0 +1,119 @@
+"""4-bit weights that stay 4-bit: GGUF Q4_0/Q4_1 blocks mapped exactly onto group-32 int4 with a scale and a zero.
+
+A GGUF Q4_1 group of 32 weights is w = q * d + m (q in 0..15, d and m float16); Q4_0 is w = (q - 8) * d.
+Both are w = (q - 8) * scale + zero with scale = d and zero = m + 8d (Q4_1) or 0 (Q4_0): the form that
+PyTorch's int4 CPU kernel (`_weight_int4pack_mm_for_cpu`) computes, so the integers need no requantization.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GROUP_SIZE = 32
+# Rows at most for low-precision matmuls (bandwidth-bound decode); more rows dequantize to float32 for a dense
+# matmul, which has several times the arithmetic throughput of the int4 and bfloat16 kernels on a CPU without
+# bfloat16 instructions (prefill, big batches).
+LOW_PRECISION_MAX_ROWS = 16
+
+T = gguf.GGMLQuantizationType
+INT4_TENSOR_TYPES = {T.Q4_0, T.Q4_1}
+
+
+@dataclass(slots=True)
+class Int4Tensor:
+    """A [N, K] weight as 4-bit integers with one scale and zero per group of 32 along K."""
+
+    q: torch.Tensor  # [N, K] uint8 in 0..15
+    scales: torch.Tensor  # [N, K / 32] float32
+    zeros: torch.Tensor  # [N, K / 32] float32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        groups = (self.q.view(n, k // GROUP_SIZE, GROUP_SIZE).float() - 8) * self.scales[..., None] + self.zeros[..., None]
+        return groups.view(n, k)
+
+    def rows(self, rows: slice | torch.Tensor) -> Int4Tensor:
+        return Int4Tensor(self.q[rows], self.scales[rows], self.zeros[rows])
+
+
+def int4_from_gguf_blocks(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> Int4Tensor:
+    """Raw Q4_0/Q4_1 bytes [N, bytes per row] → Int4Tensor [N, K], bit for bit (no rounding anywhere)."""
+    n = data.shape[0]
+    header = 2 if tensor_type == T.Q4_0 else 4  # float16 d, then float16 m for Q4_1
+    blocks = np.ascontiguousarray(data).reshape(n, -1, header + GROUP_SIZE // 2)  # [N, groups, block bytes]
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    packed = blocks[..., header:]  # low nibbles hold weights 0..15 of the group, high nibbles 16..31
+    q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(n, -1)
+    if tensor_type == T.Q4_0:
+        zeros = np.zeros_like(d)
+    else:
+        zeros = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) + 8 * d  # exact in float32
+    return Int4Tensor(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zeros))
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T (+ b) with W held as group-32 int4; loaded row block by row block (q/k/v, gate/up pack)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        if in_features % GROUP_SIZE:
+            raise ValueError(f"int4 weights need in_features divisible by {GROUP_SIZE}, got {in_features}")
+        self.in_features, self.out_features = in_features, out_features
+        groups = in_features // GROUP_SIZE
+        self.register_buffer("qweight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))  # 2 per byte
+        self.register_buffer("scales", torch.empty(out_features, groups))
+        self.register_buffer("zeros", torch.empty(out_features, groups))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self._kernel_weight: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def load_rows(self, rows: slice, weight: Int4Tensor) -> None:
+        q = weight.q
+        self.qweight[rows] = q[:, 0::2] | (q[:, 1::2] << 4)
+        self.scales[rows] = weight.scales
+        self.zeros[rows] = weight.zeros
+        self._kernel_weight = None
+
+    def weight_int4(self) -> Int4Tensor:
+        q = torch.stack([self.qweight & 0x0F, self.qweight >> 4], dim=-1).view(self.out_features, self.in_features)
+        return Int4Tensor(q, self.scales, self.zeros)
+
+    def kernel_weight(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The CPU int4 kernel's packed weight and bfloat16 [groups, N, 2] scales/zeros, built once; None off the CPU."""
+        if self.qweight.device.type != "cpu":
+            return None
+        if self._kernel_weight is None:
+            w = self.weight_int4()
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.int(), 1)
+            scales_zeros = torch.stack([w.scales.t(), w.zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
+            self._kernel_weight = (packed, scales_zeros)
+        return self._kernel_weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = self.kernel_weight() if x.shape[0] <= LOW_PRECISION_MAX_ROWS else None
+        if kernel is not None:
+            # The kernel is fast with bfloat16 activations only (about 10x slower in float32).
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), kernel[0], GROUP_SIZE, kernel[1]).to(x.dtype)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight_int4().dequantize().to(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int4 group {GROUP_SIZE}"
+
+
+def low_precision_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T for a weight that may be stored in a lower precision than x (a bfloat16 LM head)."""
+    if weight.dtype == x.dtype:
+        return F.linear(x, weight)
+    if x.shape[0] <= LOW_PRECISION_MAX_ROWS:
+        return F.linear(x.to(weight.dtype), weight).to(x.dtype)
+    return F.linear(x, weight.to(x.dtype))
