@@ -13,7 +13,7 @@ from gguf.quants import dequantize, quantize
 from tests.helpers import forward_in_chunks
 from tests.models.test_gguf_loader import TOKENS, tiny_model, write_gguf  # noqa: F401 (tiny_model is a fixture)
 from tokenloop.models.loader import load_model
-from tokenloop.models.quant import LOW_PRECISION_MAX_ROWS, Int4Linear, int4_from_gguf_blocks
+from tokenloop.models.quant import INT4_KERNEL_MAX_ROWS, Int4Linear, int4_from_gguf_blocks
 
 Q = gguf.GGMLQuantizationType
 
@@ -41,7 +41,7 @@ def test_int4_linear_runs_the_kernel_for_few_rows_and_float32_for_many():
     linear.load_rows(slice(None), int4_from_gguf_blocks(blocks, Q.Q4_1))
     torch.nn.init.normal_(linear.bias)
     weight = torch.from_numpy(dequantize(blocks, Q.Q4_1))
-    many = torch.randn(LOW_PRECISION_MAX_ROWS + 1, 96)
+    many = torch.randn(INT4_KERNEL_MAX_ROWS + 1, 96)
     assert torch.equal(linear(many), F.linear(many, weight, linear.bias))  # dense float32 on the exact weights
     few = many[:2]
     # bfloat16 activations and scales in the kernel: close to the float32 product, not equal.
