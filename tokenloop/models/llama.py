@@ -14,40 +14,39 @@ from torch import nn
 
 from tokenloop.models.attention import AttentionMetadata, KVCacheAttention
 from tokenloop.models.config import ModelConfig
-from tokenloop.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+from tokenloop.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
 from tokenloop.models.quant import Int4Linear, Int4Tensor, low_precision_linear
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.head_dim = config.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.rotary = rotary
         self.attn = KVCacheAttention(config.num_heads, config.num_kv_heads, config.head_dim)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.q_size // self.head_dim, self.head_dim)  # (T, num_heads, head_dim)
-        k = k.view(-1, self.kv_size // self.head_dim, self.head_dim)  # (T, num_kv_heads, head_dim)
-        v = v.view(-1, self.kv_size // self.head_dim, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        num_heads, num_kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
+        qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(-1, num_heads + num_kv_heads, self.head_dim), rope)
+        q, k = qk.split([num_heads, num_kv_heads], dim=1)  # (T, num_heads, head_dim), (T, num_kv_heads, head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config, rotary)
+        self.self_attn = DecoderAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -64,9 +63,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
@@ -79,8 +78,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """(T,) token ids and positions → (T, hidden) final hidden states."""
         x = self.embed_tokens(input_ids).to(self.norm.weight.dtype)  # the embedding may be stored in bfloat16
+        rope = self.rotary.tables(positions)
         for layer in self.layers:
-            x = layer(positions, x, meta)
+            x = layer(rope, x, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
