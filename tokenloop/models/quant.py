@@ -40,8 +40,10 @@ class Int4Tensor:
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.q.shape
-        groups = (self.q.view(n, k // GROUP_SIZE, GROUP_SIZE).float() - 8) * self.scales[..., None] + self.zeros[..., None]
-        return groups.view(n, k)
+        offsets = (self.zeros - 8 * self.scales)[..., None]  # exact: m for Q4_1, -8d for Q4_0
+        # q * scale (exact) + offset, in place: the same single rounding as gguf's own dequantization.
+        w = self.q.view(n, k // GROUP_SIZE, GROUP_SIZE).float()
+        return w.mul_(self.scales[..., None]).add_(offsets).view(n, k)
 
     def rows(self, rows: slice | torch.Tensor) -> Int4Tensor:
         return Int4Tensor(self.q[rows], self.scales[rows], self.zeros[rows])
