@@ -6,9 +6,8 @@ A token at position p of a sequence lives in slot block_table[p // block_size] *
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch

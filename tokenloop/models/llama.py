@@ -116,15 +116,14 @@ class LlamaForCausalLM(nn.Module):
                 shards.setdefault(target.removesuffix(".weight"), set()).add(name)
         for module_name, names in shards.items():
             linear = self.get_submodule(module_name)
-            packed = module_name.split(".")[-1]
-            if len(names) == len(self.shard_sizes(packed) if packed in self.packed_names else [0]):
+            if len(names) == self.num_shards(module_name.split(".")[-1]):
                 parent, child = module_name.rsplit(".", 1)
                 int4 = Int4Linear(linear.in_features, linear.out_features, linear.bias is not None)
                 setattr(self.get_submodule(parent), child, int4)
 
-    @property
-    def packed_names(self) -> set[str]:
-        return {packed for packed, _ in self.packed_modules.values()}
+    def num_shards(self, module: str) -> int:
+        """Checkpoint tensors that pack into this module's weight (3 for qkv_proj, 2 for gate_up_proj, else 1)."""
+        return sum(packed == module for packed, _ in self.packed_modules.values()) or 1
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | Int4Tensor]]) -> None:
@@ -136,8 +135,7 @@ class LlamaForCausalLM(nn.Module):
         params |= {f"{name}.weight": m for name, m in self.named_modules() if isinstance(m, Int4Linear)}
         expected = set()
         for name in params:
-            module = name.split(".")[-2]
-            expected |= {(name, i) for i in range(len(self.shard_sizes(module)))} if module in self.packed_names else {(name, 0)}
+            expected |= {(name, i) for i in range(self.num_shards(name.split(".")[-2]))}
         written = set()
         for ckpt_name, tensor in weights:
             if self.config.tie_word_embeddings and ckpt_name.removeprefix("model.") == "lm_head.weight":
