@@ -24,6 +24,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--stats", action="store_true", help="print prompt and decode tokens/s")
+    _add_compile_arg(p, default=False)
+
+
+def _add_compile_arg(p: argparse.ArgumentParser, default: bool) -> None:
+    p.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=default,
+        help="run decode steps as one compiled graph (the first start compiles for minutes; later starts reuse the cache)",
+    )
 
 
 def _sampling_params(args):
@@ -38,7 +46,7 @@ def _sampling_params(args):
 def _llm(args):
     from tokenloop.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, device=args.device)
+    return LLM(args.model, dtype=args.dtype, device=args.device, compile=args.compile)
 
 
 def cmd_generate(args) -> int:
@@ -114,7 +122,7 @@ def cmd_serve(args) -> int:
     config = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, kv_cache_gb=args.kv_cache_gb, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching,
+        enable_prefix_caching=not args.no_prefix_caching, compile=args.compile,
     )
     serve(config, args.served_model_name or args.model or store.DEFAULT_MODEL, args.host, args.port, args.api_key)
     return 0
@@ -165,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
+    _add_compile_arg(p, default=False)
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("bench", help="tokenloop beside llama.cpp and transformers on the same GGUF (or: bench serve)")
     offline_bench.add_arguments(p)

@@ -19,14 +19,22 @@ def run_prefill(manager: BlockManager, s: Sequence) -> None:
     manager.cache_full_blocks(s)
 
 
-def test_allocation_takes_free_blocks_in_order_and_free_returns_them_tail_first():
+def test_allocation_takes_free_blocks_in_order_and_reuses_uncached_blocks_first():
     m = BlockManager(num_blocks=6, block_size=4)
     a = seq(range(10))
     assert m.allocate(a, 10) and a.block_table == [0, 1, 2]
     assert [b.ref_count for b in m.blocks] == [1, 1, 1, 0, 0, 0]
     m.free(a)
-    assert list(m.free_queue) == [3, 4, 5, 2, 1, 0]
+    assert list(m.free_queue) == [0, 1, 2, 3, 4, 5]  # nothing cached: the same pages are handed out again
     assert all(b.ref_count == 0 for b in m.blocks)
+
+
+def test_freed_cached_blocks_go_last_tail_first_and_uncached_ones_first():
+    m = BlockManager(num_blocks=6, block_size=4)
+    a = seq(range(10))
+    run_prefill(m, a)  # blocks 0 and 1 full and cached, block 2 holds the last 2 tokens
+    m.free(a)
+    assert list(m.free_queue) == [2, 3, 4, 5, 1, 0]
 
 
 def test_allocation_fails_whole_when_blocks_run_out():

@@ -32,6 +32,7 @@ def test_int4_mapping_reproduces_the_dequantized_gguf_weights_exactly(qtype):
     linear.load_rows(slice(0, 64), int4.rows(slice(0, 64)))  # loaded in row blocks, as packed q/k/v are
     linear.load_rows(slice(64, 96), int4.rows(slice(64, 96)))
     assert torch.equal(linear.weight_int4().dequantize(), expected)
+    assert torch.equal(linear.dequantize(torch.float32), expected)
 
 
 def test_int4_linear_runs_the_kernel_for_few_rows_and_float32_for_many():
@@ -40,6 +41,7 @@ def test_int4_linear_runs_the_kernel_for_few_rows_and_float32_for_many():
     blocks = quantize(rng.standard_normal((64, 96)).astype(np.float32), Q.Q4_1)
     linear = Int4Linear(96, 64, bias=True)
     linear.load_rows(slice(None), int4_from_gguf_blocks(blocks, Q.Q4_1))
+    linear.pack_for_kernel()
     torch.nn.init.normal_(linear.bias)
     weight = torch.from_numpy(dequantize(blocks, Q.Q4_1))
     many = torch.randn(INT4_KERNEL_MAX_ROWS + 1, 96)

@@ -27,6 +27,7 @@ PROMPT_TOKENS = 64  # the decode and batch prompts: the first tokens of DEFAULT_
 class BenchConfig:
     model: str  # a local .gguf path (llama.cpp and transformers need the file)
     dtype: str = "auto"  # tokenloop's dtype
+    compile: bool = True  # tokenloop's compiled decode step
     threads: int = 2
     decode_tokens: int = 128
     prefill_tokens: int = 1024
@@ -56,10 +57,13 @@ def _bench_tokenloop(cfg: BenchConfig) -> EngineResult:
     from tokenloop import LLM, SamplingParams
     from tokenloop.engine.streaming import StreamStats, stream
 
-    llm = LLM(cfg.model, dtype=cfg.dtype, enable_prefix_caching=False)
+    llm = LLM(cfg.model, dtype=cfg.dtype, enable_prefix_caching=False, compile=cfg.compile)
     engine, tok = llm.llm_engine, llm.get_tokenizer()
     greedy = SamplingParams(temperature=0, max_tokens=cfg.decode_tokens, ignore_eos=True)
+    # One request, then two at once: the two compiled decode graphs (one sequence, a batch) are built
+    # (or loaded from the cache) here, outside the timed runs.
     llm.generate("warm up", SamplingParams(max_tokens=4), use_tqdm=False)
+    llm.generate(["warm up", "a batch"], SamplingParams(max_tokens=4), use_tqdm=False)
 
     def timed(prompt_ids: list[int], params: SamplingParams) -> StreamStats:
         stats = StreamStats()
@@ -175,6 +179,7 @@ def _fmt(value: float | None) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "-m", default=None, help="known name or .gguf file (default: the default model)")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="tokenloop's compiled decode step")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--prefill-tokens", type=int, default=1024)
@@ -184,7 +189,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main_from_args(args: argparse.Namespace) -> int:
     from tokenloop.models.store import resolve
 
-    cfg = BenchConfig(str(resolve(args.model)), args.dtype, args.threads, args.decode_tokens, args.prefill_tokens)
+    cfg = BenchConfig(str(resolve(args.model)), args.dtype, args.compile, args.threads, args.decode_tokens, args.prefill_tokens)
     engines = ["tokenloop"] + [e for e in args.engines.split(",") if e in ENGINES and e != "tokenloop"]
     results = [run_engine(e, cfg) for e in engines]
     print(format_table(results, cfg, memory_bandwidth_gbs()))

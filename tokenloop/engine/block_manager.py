@@ -32,7 +32,9 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        # Unreferenced blocks in eviction order (least recently freed first); O(1) removal from the middle
+        # Unreferenced blocks in the order they are handed out: freed blocks that hold no cached prefix first
+        # (most recently freed first, so that a long run keeps reusing the same few pages of the pool instead
+        # of touching all of it), then cached ones, least recently freed first; O(1) removal from the middle
         # when a cache hit revives one. Cached contents survive here until the block is handed out again.
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # chain hash → block id
@@ -111,6 +113,8 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
+                if block.hash is None:
+                    self.free_queue.move_to_end(block_id, last=False)
         seq.block_table.clear()
         seq.num_hashed_blocks = 0
 

@@ -39,6 +39,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # tokens in one step at most (decodes plus prefill chunks)
     max_model_len: int | None = None  # context length; None = the model's own
     enable_prefix_caching: bool = True
+    # Decode steps run as one torch.compile graph (engine/compiled_decode.py). The first start compiles
+    # (minutes on a small CPU); later starts reuse the code cached under $TOKENLOOP_HOME/inductor.
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -74,7 +77,7 @@ class LLMEngine:
             raise ValueError(f"kv_cache_gb={config.kv_cache_gb} does not hold one KV block of this model")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, dtype, device)
+        self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, dtype, device, config.compile)
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, RequestState] = {}
         self._by_seq: dict[str, tuple[RequestState, CompletionState]] = {}  # running completions by sequence id

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from tokenloop.engine.compiled_decode import DecodeForward
 from tokenloop.engine.scheduler import ScheduledBatch
 from tokenloop.models.attention import AttentionMetadata
 from tokenloop.models.config import ModelConfig
@@ -54,13 +55,22 @@ class ModelInput:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [S] flat row of the last token of each sequence that samples this step
     sample_seq_indices: list[int]  # [S] which sequences of the batch sample (their prefill has caught up)
+    decode_only: bool  # one new token per sequence: the compiled step's case
 
 
 class ModelRunner:
     def __init__(
-        self, model: nn.Module, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+        self,
+        model: nn.Module,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        compile: bool = False,
     ) -> None:
         self.model, self.config, self.block_size, self.device = model, config, block_size, device
+        self.forward = DecodeForward(model, compile)
         shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
         for attn in model.attention_layers():
             attn.k_cache = zeroed_pool(shape, dtype, device)
@@ -86,6 +96,9 @@ class ModelRunner:
         if self.config.sliding_window is not None:
             mask &= k_pos[None, None, :] > q_pos[:, :, None] - self.config.sliding_window
         ends = lens.cumsum(0)
+        # One prompt from its first token: the mask is plain causal, which SDPA applies without reading a
+        # mask and skipping the blocks above the diagonal (~40% less attention time in a long prefill).
+        plain_causal = len(batch.seqs) == 1 and starts_list[0] == 0 and num_q > 1 and self.config.sliding_window is None
         query_index = torch.where(q_valid, (ends - lens)[:, None] + q_offsets[None, :], 0)
         slot_mapping = key_slots.gather(1, q_pos.clamp(max=num_k - 1))[q_valid]
         meta = AttentionMetadata(
@@ -93,7 +106,7 @@ class ModelRunner:
             query_index=query_index,
             output_index=q_valid.flatten().nonzero().squeeze(1),
             key_slots=key_slots,
-            mask=mask.unsqueeze(1),
+            mask=None if plain_causal else mask.unsqueeze(1),
         )
         sample_seq_indices = [i for i, (seq, s, n) in enumerate(zip(batch.seqs, starts_list, batch.num_new_tokens)) if s + n == seq.num_tokens]
         return ModelInput(
@@ -102,13 +115,14 @@ class ModelRunner:
             meta=meta,
             sample_rows=(ends - 1)[sample_seq_indices],
             sample_seq_indices=sample_seq_indices,
+            decode_only=num_q == 1,
         )
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[int], StepSamples | None]:
         """Run one step; returns the batch indices of the sequences that sampled, and their samples."""
         inp = self.prepare(batch)
-        hidden = self.model(inp.input_ids, inp.positions, inp.meta)
+        hidden = self.forward(inp.input_ids, inp.positions, inp.meta, inp.decode_only)
         if not inp.sample_seq_indices:
             return [], None
         logits = self.model.compute_logits(hidden[inp.sample_rows]).float()

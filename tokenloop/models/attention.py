@@ -24,7 +24,9 @@ class AttentionMetadata:
     query_index: torch.Tensor  # [B, Q] int64: row of each sequence's new tokens in the flat batch (padding → 0)
     output_index: torch.Tensor  # [T] int64: position of each flat token in the padded [B * Q] output
     key_slots: torch.Tensor  # [B, K] int64: cache slots of each sequence's context, in position order (padding → 0)
-    mask: torch.Tensor  # [B, 1, Q, K] bool: True where a query may attend a key (causal, in-context, in-window)
+    # [B, 1, Q, K] bool: True where a query may attend a key (causal, in-context, in-window); None when the
+    # batch is one sequence from position 0 (Q = K), whose mask is plain causal.
+    mask: torch.Tensor | None
 
 
 class KVCacheAttention(nn.Module):
@@ -46,7 +48,8 @@ class KVCacheAttention(nn.Module):
         values = self.v_cache[meta.key_slots].transpose(1, 2)
         queries = q[meta.query_index].transpose(1, 2)  # (B, num_heads, Q, head_dim)
         out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=meta.mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads
+            queries, keys, values, attn_mask=meta.mask, is_causal=meta.mask is None, scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
         )  # (B, num_heads, Q, head_dim)
         out = out.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)  # (B * Q, hidden)
         return out[meta.output_index]  # (T, hidden)

@@ -90,7 +90,7 @@ def iter_gguf_weights(
 ) -> Iterator[tuple[str, torch.Tensor | Int4Tensor]]:
     """Yield (Hugging Face name, tensor) one at a time from the memory map: float32, dequantized, except
     Q4_0/Q4_1 tensors with keep_int4, which come as Int4Tensor (the file's own integers and scales)."""
-    permute_qk = reader.fields["general.architecture"].contents() == "llama"
+    permute_qk = config.architecture == GGUF_ARCHITECTURES["llama"]
     for t in reader.tensors:
         if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
             supported = ", ".join(sorted(q.name for q in SUPPORTED_TENSOR_TYPES))
@@ -102,8 +102,20 @@ def iter_gguf_weights(
         if keep_int4 and t.tensor_type in INT4_TENSOR_TYPES:
             yield hf_name(t.name), int4_from_gguf_blocks(t.data, t.tensor_type).rows(rows)
         else:
-            weights = torch.from_numpy(np.require(dequantize(t.data, t.tensor_type), requirements=["C", "W"]))
-            yield hf_name(t.name), weights[rows]
+            yield hf_name(t.name), dequantize_rows(t.data, t.tensor_type)[rows]
+
+
+def dequantize_rows(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, rows_per_chunk: int = 4096) -> torch.Tensor:
+    """gguf's dequantization into one float32 tensor, a block of rows at a time: its temporaries stay the size of
+    a block instead of several copies of a large tensor (the embedding) at the peak of loading."""
+    if data.ndim < 2 or data.shape[0] <= rows_per_chunk:
+        return torch.from_numpy(np.require(dequantize(data, tensor_type), requirements=["C", "W"]))
+    first = dequantize(data[:rows_per_chunk], tensor_type)
+    out = torch.empty((data.shape[0], *first.shape[1:]), dtype=torch.float32)
+    out[:rows_per_chunk] = torch.from_numpy(first)
+    for start in range(rows_per_chunk, data.shape[0], rows_per_chunk):
+        out[start : start + rows_per_chunk] = torch.from_numpy(dequantize(data[start : start + rows_per_chunk], tensor_type))
+    return out
 
 
 def int4_tensor_names(reader: gguf.GGUFReader) -> set[str]:

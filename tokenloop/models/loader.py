@@ -16,6 +16,7 @@ from tokenloop.models.gguf_loader import config_from_gguf, int4_tensor_names, it
 from tokenloop.models.gguf_metadata import open_gguf, read_metadata
 from tokenloop.models.hf_loader import config_from_folder, iter_safetensors_weights
 from tokenloop.models.layers import RotaryEmbedding
+from tokenloop.models.quant import Int4Linear
 from tokenloop.models.registry import model_class
 from tokenloop.tokenizer.tokenizer import Tokenizer
 
@@ -50,11 +51,16 @@ def load_model(
         int4_names = int4_tensor_names(reader) if keep_quantized else set()
         weights = iter_gguf_weights(reader, config, keep_int4=keep_quantized)
         tokenizer = Tokenizer.from_gguf_metadata(meta) if load_tokenizer else None
+        # The parsed metadata (a vocabulary of tens of thousands of small arrays) is not needed any more:
+        # freed before the weights arrive, it stays out of the peak memory of loading.
+        reader.fields.clear()
+        del meta
     model = build_model(config, dtype, device, int4_names)
     model.load_weights(weights)
     if int4_names:
-        model.embed_tokens.to(torch.bfloat16)  # in place: a tied LM head keeps sharing it
-        model.lm_head.to(torch.bfloat16)
+        for module in model.modules():
+            if isinstance(module, Int4Linear):
+                module.pack_for_kernel()
     return LoadedModel(model=model.eval(), config=config, tokenizer=tokenizer, path=path)
 
 
@@ -70,6 +76,9 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, i
             model.use_int4(int4_names)
     finally:
         torch.set_default_dtype(previous)
+    if int4_names:  # the fast path holds the embedding / LM head in bfloat16
+        model.embed_tokens.to(torch.bfloat16)
+        model.lm_head.to(torch.bfloat16)
     model.to_empty(device=device)
     model.tie_weights()
     for module in model.modules():

@@ -40,13 +40,18 @@ class Int4Tensor:
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.q.shape
-        offsets = (self.zeros - 8 * self.scales)[..., None]  # exact: m for Q4_1, -8d for Q4_0
-        # q * scale (exact) + offset, in place: the same single rounding as gguf's own dequantization.
-        w = self.q.view(n, k // GROUP_SIZE, GROUP_SIZE).float()
-        return w.mul_(self.scales[..., None]).add_(offsets).view(n, k)
+        w = torch.empty(n, k // GROUP_SIZE, GROUP_SIZE, dtype=torch.float32, device=self.q.device)
+        return dequantize_into(w, self.q.view(n, k // GROUP_SIZE, GROUP_SIZE), self.scales, self.zeros).view(n, k)
 
     def rows(self, rows: slice | torch.Tensor) -> Int4Tensor:
         return Int4Tensor(self.q[rows], self.scales[rows], self.zeros[rows])
+
+
+def dequantize_into(out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """out [N, groups, j] = (q - 8) * scale + zero, computed as (zero - 8 * scale) + q * scale: the offset is m
+    (Q4_1) or -8d (Q4_0) exactly and q * scale is exact in float32, so each weight is rounded once, as in
+    gguf's own dequantization (bit for bit)."""
+    return torch.addcmul((zeros - 8 * scales)[..., None], q, scales[..., None], out=out)
 
 
 def int4_from_gguf_blocks(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> Int4Tensor:
@@ -73,41 +78,53 @@ class Int4Linear(nn.Module):
             raise ValueError(f"int4 weights need in_features divisible by {GROUP_SIZE}, got {in_features}")
         self.in_features, self.out_features = in_features, out_features
         groups = in_features // GROUP_SIZE
-        self.register_buffer("qweight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))  # 2 per byte
+        # GGUF's own nibble order: byte j of a group holds weight j (low nibble) and weight j + 16 (high).
+        self.register_buffer("qweight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
         self.register_buffer("scales", torch.empty(out_features, groups))
         self.register_buffer("zeros", torch.empty(out_features, groups))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self._kernel_weight: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The CPU int4 kernel's own layout of the same weight, built by pack_for_kernel once loading is done;
+        # empty off the CPU (or before packing), where every call dequantizes.
+        self.register_buffer("kernel_qweight", torch.empty(0, dtype=torch.uint8), persistent=False)
+        self.register_buffer("kernel_scales_zeros", torch.empty(0, dtype=torch.bfloat16), persistent=False)
 
     def load_rows(self, rows: slice, weight: Int4Tensor) -> None:
         q = weight.q
-        self.qweight[rows] = q[:, 0::2] | (q[:, 1::2] << 4)
+        halves = q.view(q.shape[0], -1, 2, GROUP_SIZE // 2)  # [rows, groups, low/high, 16]
+        self.qweight[rows] = (halves[:, :, 0] | (halves[:, :, 1] << 4)).flatten(1)
         self.scales[rows] = weight.scales
         self.zeros[rows] = weight.zeros
-        self._kernel_weight = None
 
     def weight_int4(self) -> Int4Tensor:
-        q = torch.stack([self.qweight & 0x0F, self.qweight >> 4], dim=-1).view(self.out_features, self.in_features)
+        packed = self.qweight.view(self.out_features, -1, 1, GROUP_SIZE // 2)
+        q = torch.cat([packed & 0x0F, packed >> 4], dim=2).view(self.out_features, self.in_features)
         return Int4Tensor(q, self.scales, self.zeros)
 
-    def kernel_weight(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The CPU int4 kernel's packed weight and bfloat16 [groups, N, 2] scales/zeros, built once; None off the CPU."""
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight in `dtype`, each half-group written straight from its nibbles (no unpacked copy)."""
+        n, groups = self.scales.shape
+        packed = self.qweight.view(n, groups, GROUP_SIZE // 2)
+        w = torch.empty(n, groups, 2, GROUP_SIZE // 2, dtype=torch.float32, device=packed.device)
+        dequantize_into(w[:, :, 0], packed & 0x0F, self.scales, self.zeros)
+        dequantize_into(w[:, :, 1], packed >> 4, self.scales, self.zeros)
+        return w.view(n, self.in_features).to(dtype)
+
+    def pack_for_kernel(self) -> None:
+        """Build the CPU int4 kernel's packed weight and bfloat16 [groups, N, 2] scales/zeros (after loading)."""
         if self.qweight.device.type != "cpu":
-            return None
-        if self._kernel_weight is None:
-            w = self.weight_int4()
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.int(), 1)
-            scales_zeros = torch.stack([w.scales.t(), w.zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
-            self._kernel_weight = (packed, scales_zeros)
-        return self._kernel_weight
+            return
+        w = self.weight_int4()
+        self.kernel_qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.int(), 1)
+        self.kernel_scales_zeros = torch.stack([w.scales.t(), w.zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = self.kernel_weight() if x.shape[0] <= INT4_KERNEL_MAX_ROWS else None
-        if kernel is not None:
+        if x.shape[0] <= INT4_KERNEL_MAX_ROWS and self.kernel_qweight.numel():
             # The kernel is fast with bfloat16 activations only (about 10x slower in float32).
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), kernel[0], GROUP_SIZE, kernel[1]).to(x.dtype)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(torch.bfloat16), self.kernel_qweight, GROUP_SIZE, self.kernel_scales_zeros
+            ).to(x.dtype)
             return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight_int4().dequantize().to(x.dtype), self.bias)
+        return F.linear(x, self.dequantize(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int4 group {GROUP_SIZE}"

@@ -44,10 +44,14 @@ KNOWN_MODELS: dict[str, KnownModel] = {
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
+def tokenloop_home() -> Path:
+    """$TOKENLOOP_HOME, default ~/.cache/tokenloop: pulled models and compiled code live under it."""
+    return Path(os.environ.get("TOKENLOOP_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "tokenloop"))
+
+
 def store_dir() -> Path:
-    """Where pulled models live: $TOKENLOOP_HOME/models (default ~/.cache/tokenloop/models)."""
-    home = os.environ.get("TOKENLOOP_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "tokenloop")
-    return Path(home) / "models"
+    """Where pulled models live: $TOKENLOOP_HOME/models."""
+    return tokenloop_home() / "models"
 
 
 def cached_path(name: str) -> Path:

@@ -1,0 +1,64 @@
+"""The compiled decode step on a tiny Q4_1 GGUF (int4 kernel inside the graph): the same greedy tokens as
+eager, and no recompilation as batches and contexts change from step to step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.models.test_gguf_loader import Q, tiny_model, write_gguf  # noqa: F401 (tiny_model is a fixture)
+from tokenloop.engine.block_manager import BlockManager
+from tokenloop.engine.model_runner import ModelRunner
+from tokenloop.engine.scheduler import ScheduledBatch
+from tokenloop.engine.sequence import Sequence
+from tokenloop.models.loader import load_model
+from tokenloop.sampling.params import SamplingParams
+
+BLOCK_SIZE, NUM_BLOCKS = 4, 64
+STEPS = 16
+SINGLE = [[5, 9, 2, 44, 17]]
+BATCH = [[3, 7, 11], [60, 2, 2, 8, 31, 5, 90], [12, 40, 41, 13, 1]]
+
+
+def runner_for(path, compile: bool) -> ModelRunner:
+    loaded = load_model(path, torch.float32, torch.device("cpu"), load_tokenizer=False, keep_quantized=True)
+    return ModelRunner(loaded.model, loaded.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, torch.device("cpu"), compile)
+
+
+def greedy(runner: ModelRunner, prompts: list[list[int]], steps: int = STEPS) -> list[list[int]]:
+    """Prefill every prompt in one step, then decode them together: one new token per sequence per step."""
+    blocks = BlockManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=False)
+    seqs = [Sequence(f"s{i}", list(p), len(p), SamplingParams(temperature=0)) for i, p in enumerate(prompts)]
+    for _ in range(steps):
+        new = [s.num_tokens - s.num_computed_tokens for s in seqs]
+        for seq, n in zip(seqs, new):
+            assert blocks.allocate(seq, seq.num_computed_tokens + n)
+        sampled, samples = runner.execute(ScheduledBatch(list(seqs), new))
+        for seq, n in zip(seqs, new):
+            seq.num_computed_tokens += n
+        for row, i in enumerate(sampled):
+            seqs[i].token_ids.append(samples.token_ids[row])
+    return [s.output_token_ids for s in seqs]
+
+
+@pytest.fixture(scope="module")
+def tiny_q4_1(tiny_model, tmp_path_factory):  # noqa: F811
+    arch, model = tiny_model
+    return write_gguf(model, arch, tmp_path_factory.mktemp("compiled") / f"{arch}.gguf", Q.Q4_1)
+
+
+def test_compiled_decode_gives_the_eager_greedy_tokens_and_never_recompiles(tiny_q4_1):
+    eager, compiled = runner_for(tiny_q4_1, compile=False), runner_for(tiny_q4_1, compile=True)
+    graphs = torch._dynamo.utils.counters["stats"]
+    before = graphs["unique_graphs"]
+    assert greedy(compiled, SINGLE) == greedy(eager, SINGLE)
+    assert greedy(compiled, BATCH) == greedy(eager, BATCH)
+    assert compiled.forward.compiled is not None  # a failed compile would have fallen back to eager
+    assert graphs["unique_graphs"] - before == 2  # one sequence; a batch of several
+
+    # Other prompt lengths, batch sizes and a longer context: the same two graphs, nothing compiled again.
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert greedy(compiled, [[8] * 9], steps=24) == greedy(eager, [[8] * 9], steps=24)
+        five = [[i, i + 1, 2 * i] for i in range(3, 8)]
+        assert greedy(compiled, five) == greedy(eager, five)
+    assert graphs["unique_graphs"] - before == 2
