@@ -43,17 +43,17 @@ def _sampling_params(args):
     )
 
 
-def _llm(args):
+def _llm(args, compile: bool = False):
     from tokenloop.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, device=args.device, compile=args.compile)
+    return LLM(args.model, dtype=args.dtype, device=args.device, compile=compile)
 
 
 def cmd_generate(args) -> int:
     from tokenloop.engine.streaming import StreamStats, stream
 
     params = _sampling_params(args)
-    llm = _llm(args)
+    llm = _llm(args, args.compile)
     stats = StreamStats()
     for delta in stream(llm.llm_engine, args.prompt, params, stats):
         print(delta, end="", flush=True)
@@ -67,7 +67,7 @@ def cmd_chat(args) -> int:
     from tokenloop.engine.streaming import StreamStats, stream
 
     params = _sampling_params(args)
-    llm = _llm(args)
+    llm = _llm(args, args.compile)
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict[str, str]] = []
     print("Chat with the model. /reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
@@ -104,7 +104,7 @@ def cmd_perplexity(args) -> int:
         text = Path(args.file).read_text(encoding="utf-8")
     except OSError as e:  # checked before the model loads
         raise ValueError(f"cannot read {args.file}: {e.strerror or e}") from None
-    llm = _llm(args)
+    llm = _llm(args)  # scoring is all prefill: nothing for the compiled decode step to do
     start = time.perf_counter()
     result = perplexity(llm, text, window=args.window, max_tokens=args.max_tokens)
     seconds = time.perf_counter() - start
