@@ -81,8 +81,21 @@ def _bench_tokenloop(cfg: BenchConfig) -> EngineResult:
         outs = llm.generate(prompts, greedy, use_tqdm=False)
         batch[str(size)] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
     model = engine.runner.model
-    weight_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-    return EngineResult("tokenloop", decode.decode_rate, prefill.prefill_rate, prefill.prefill_s * 1e3, batch, weight_bytes=weight_bytes)
+    return EngineResult("tokenloop", decode.decode_rate, prefill.prefill_rate, prefill.prefill_s * 1e3, batch, weight_bytes=decode_weight_bytes(model))
+
+
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads: every parameter once (a tied head is one tensor) and, for an
+    int4 linear, the copy the int4 kernel reads (its unpacked nibbles serve prefill only). Rotary tables
+    are left out: a step reads one row of them."""
+    from tokenloop.models.quant import Int4Linear
+
+    tensors = {id(p): p for p in model.parameters()}
+    for m in model.modules():
+        if isinstance(m, Int4Linear):
+            kernel = [m.kernel_qweight, m.kernel_scales_zeros] if m.kernel_qweight.numel() else [m.qweight, m.scales, m.zeros]
+            tensors |= {id(t): t for t in kernel}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _bench_llamacpp(cfg: BenchConfig) -> EngineResult:
