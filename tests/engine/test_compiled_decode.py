@@ -62,3 +62,18 @@ def test_compiled_decode_gives_the_eager_greedy_tokens_and_never_recompiles(tiny
         five = [[i, i + 1, 2 * i] for i in range(3, 8)]
         assert greedy(compiled, five) == greedy(eager, five)
     assert graphs["unique_graphs"] - before == 2
+
+
+def test_an_engine_with_compile_builds_both_graphs_while_starting(tiny_model_folder, tiny_llm):
+    from tokenloop import LLM
+
+    llm = LLM(tiny_model_folder, dtype="float32", device="cpu", kv_cache_gb=0.01, compile=True)
+    assert llm.llm_engine.runner.forward.compiled is not None
+    assert not llm.llm_engine.requests and llm.llm_engine.block_manager.num_used_blocks == 0  # the warm-up left nothing
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = ["Hello world", "The quick brown fox", "def main():"]
+    with torch.compiler.set_stance("fail_on_recompile"):  # one sequence and a batch: both built already
+        batch = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        single = llm.generate(prompts[1], params, use_tqdm=False)[0].outputs[0].token_ids
+    eager = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, params, use_tqdm=False)]
+    assert batch == eager and single == eager[1]

@@ -60,10 +60,7 @@ def _bench_tokenloop(cfg: BenchConfig) -> EngineResult:
     llm = LLM(cfg.model, dtype=cfg.dtype, enable_prefix_caching=False, compile=cfg.compile)
     engine, tok = llm.llm_engine, llm.get_tokenizer()
     greedy = SamplingParams(temperature=0, max_tokens=cfg.decode_tokens, ignore_eos=True)
-    # One request, then two at once: the two compiled decode graphs (one sequence, a batch) are built
-    # (or loaded from the cache) here, outside the timed runs.
-    llm.generate("warm up", SamplingParams(max_tokens=4), use_tqdm=False)
-    llm.generate(["warm up", "a batch"], SamplingParams(max_tokens=4), use_tqdm=False)
+    llm.generate("warm up", SamplingParams(max_tokens=4), use_tqdm=False)  # compiled graphs were built by LLM()
 
     def timed(prompt_ids: list[int], params: SamplingParams) -> StreamStats:
         stats = StreamStats()

@@ -82,6 +82,19 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self._by_seq: dict[str, tuple[RequestState, CompletionState]] = {}  # running completions by sequence id
         self._ids = itertools.count()
+        if config.compile:
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """Build (or load from the cache) the compiled decode graphs while starting, not on the first requests:
+        one request, then two at once, two greedy tokens each. Nothing of them stays behind."""
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        for num_requests in (1, 2):
+            for i in range(num_requests):
+                self.add_request({"prompt_token_ids": [i + 1, i + 2]}, params)
+            while self.has_unfinished_requests():
+                self.step()
+        self.block_manager.prefix_queried_tokens = self.block_manager.prefix_hit_tokens = 0
 
     def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
