@@ -1,7 +1,7 @@
 """`tokenloop bench serve` against tokenloop's server and llama-cpp-python's server on the same GGUF, one after
 the other in one run (never both at once: they would share the CPU), with each server's peak RSS.
 
-    pip install -e ".[bench]" && python benchmarks/serve_vs_llamacpp.py [--num-requests 32 --concurrency 32 --max-tokens 128]
+    pip install -e ".[bench]" && python benchmarks/serve_vs_llamacpp.py [--num-requests 32 --concurrency 32 --max-tokens 128] [--no-compile]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tokenloop.bench.serve import ServeBenchConfig, format_report, run_serve_ben
 from tokenloop.models.store import resolve
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 900) -> None:  # a first compile takes minutes
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -63,11 +63,13 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="tokenloop's compiled decode step")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     args = parser.parse_args()
     path = str(resolve(None))
-    ours = [sys.executable, "-m", "tokenloop.cli", "serve", "--model", path, "--port", "8000", "--dtype", args.dtype]
-    print(bench(f"tokenloop ({args.dtype})", ours, 8000, "/health", path, args))
+    ours = [sys.executable, "-m", "tokenloop.cli", "serve", "--model", path, "--port", "8000", "--dtype", args.dtype,
+            "--compile" if args.compile else "--no-compile"]
+    print(bench(f"tokenloop ({args.dtype}{', compiled' if args.compile else ''})", ours, 8000, "/health", path, args))
     peer = [sys.executable, "-m", "llama_cpp.server", "--model", path, "--host", "127.0.0.1", "--port", "8081",
             "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads), "--interrupt_requests", "False",
             "--n_ctx", "4096"]

@@ -18,6 +18,7 @@ import warnings
 
 import torch
 from torch import nn
+from torch.fx.experimental import _config as fx_config
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from tokenloop.models.attention import AttentionMetadata
@@ -68,7 +69,10 @@ class DecodeForward:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, decode_only: bool) -> torch.Tensor:
         if self.compiled is not None and decode_only and input_ids.shape[0] <= COMPILED_MAX_ROWS:
             try:
-                return self.compiled(input_ids, positions, meta)
+                # No duck shaping: a context length that happens to equal a model size (the KV head count,
+                # say) on the step that traces must stay a symbol, not become that constant.
+                with fx_config.patch(use_duck_shape=False):
+                    return self.compiled(input_ids, positions, meta)
             except torch._dynamo.exc.TorchDynamoException as e:  # tracing or code generation failed
                 warnings.warn(f"compiling the decode step failed, running it eager from now on: {e}", stacklevel=2)
                 self.compiled = None

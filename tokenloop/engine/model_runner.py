@@ -115,7 +115,8 @@ class ModelRunner:
             meta=meta,
             sample_rows=(ends - 1)[sample_seq_indices],
             sample_seq_indices=sample_seq_indices,
-            decode_only=num_q == 1,
+            # A one-token prompt's first step has a context of 1, a size dynamo would specialize on: eager.
+            decode_only=num_q == 1 and num_k > 1,
         )
 
     @torch.inference_mode()
