@@ -1,5 +1,11 @@
 """The compiled decode step on a tiny Q4_1 GGUF (int4 kernel inside the graph): the same greedy tokens as
-eager, and no recompilation as batches and contexts change from step to step."""
+eager, and no recompilation as batches and contexts change from step to step.
+
+Compiled and eager round differently (inductor fuses the elementwise ops), and the kernel's int8 activations
+turn a last-bit difference into a logit difference of about 1e-3 now and then. A random tiny model has
+near-ties that small (its bfloat16 LM head even has exact ties), so the tokens are compared as greedy
+choices: the compiled run's logits must be eager's on the same tokens, and each token it picked must be
+eager's greedy choice up to that rounding."""
 
 from __future__ import annotations
 
@@ -28,20 +34,38 @@ def runner_for(path, compile: bool) -> ModelRunner:
     return ModelRunner(loaded.model, loaded.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, torch.device("cpu"), compile)
 
 
-def greedy(runner: ModelRunner, prompts: list[list[int]], steps: int = STEPS) -> list[list[int]]:
-    """Prefill every prompt in one step, then decode them together: one new token per sequence per step."""
+def greedy(runner: ModelRunner, prompts: list[list[int]], steps: int = STEPS, forced: list[list[int]] | None = None):
+    """Prefill every prompt in one step, then decode them together: one new token per sequence per step.
+    Returns each sequence's tokens and logits; with `forced`, those tokens are appended instead of the sampled."""
     blocks = BlockManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=False)
     seqs = [Sequence(f"s{i}", list(p), len(p), SamplingParams(temperature=0)) for i, p in enumerate(prompts)]
-    for _ in range(steps):
+    logits: list[list[torch.Tensor]] = [[] for _ in seqs]
+    compute_logits = runner.model.compute_logits
+    for step in range(steps):
         new = [s.num_tokens - s.num_computed_tokens for s in seqs]
         for seq, n in zip(seqs, new):
             assert blocks.allocate(seq, seq.num_computed_tokens + n)
-        sampled, samples = runner.execute(ScheduledBatch(list(seqs), new))
+        step_logits = []
+        runner.model.compute_logits = lambda h: step_logits.append(compute_logits(h)) or step_logits[-1]
+        try:
+            sampled, samples = runner.execute(ScheduledBatch(list(seqs), new))
+        finally:
+            runner.model.compute_logits = compute_logits
         for seq, n in zip(seqs, new):
             seq.num_computed_tokens += n
         for row, i in enumerate(sampled):
-            seqs[i].token_ids.append(samples.token_ids[row])
-    return [s.output_token_ids for s in seqs]
+            logits[i].append(step_logits[0][row])
+            seqs[i].token_ids.append(forced[i][step] if forced else samples.token_ids[row])
+    return [s.output_token_ids for s in seqs], [torch.stack(rows) for rows in logits]
+
+
+def assert_same_greedy_tokens(compiled: ModelRunner, eager: ModelRunner, prompts: list[list[int]], steps: int = STEPS) -> None:
+    tokens, logits = greedy(compiled, prompts, steps)
+    _, eager_logits = greedy(eager, prompts, steps, forced=tokens)
+    for seq_tokens, got, expected in zip(tokens, logits, eager_logits):
+        torch.testing.assert_close(got, expected, atol=0.02, rtol=0)  # logits of about 0.5
+        chosen = expected.gather(1, torch.tensor(seq_tokens)[:, None])[:, 0]
+        assert (expected.max(1).values - chosen).max() <= 0.02, "a compiled greedy token is not eager's choice"
 
 
 @pytest.fixture(scope="module")
@@ -54,17 +78,16 @@ def test_compiled_decode_gives_the_eager_greedy_tokens_and_never_recompiles(tiny
     eager, compiled = runner_for(tiny_q4_1, compile=False), runner_for(tiny_q4_1, compile=True)
     graphs = torch._dynamo.utils.counters["stats"]
     before = graphs["unique_graphs"]
-    assert greedy(compiled, SINGLE) == greedy(eager, SINGLE)
-    assert greedy(compiled, FIRST_BATCH) == greedy(eager, FIRST_BATCH)
+    assert_same_greedy_tokens(compiled, eager, SINGLE)
+    assert_same_greedy_tokens(compiled, eager, FIRST_BATCH)
     assert compiled.forward.compiled is not None  # a failed compile would have fallen back to eager
     assert graphs["unique_graphs"] - before == 2  # one sequence; a batch of several
 
     # Other prompt lengths, batch sizes and a longer context: the same two graphs, nothing compiled again.
     with torch.compiler.set_stance("fail_on_recompile"):
-        assert greedy(compiled, BATCH) == greedy(eager, BATCH)
-        assert greedy(compiled, [[8] * 9], steps=24) == greedy(eager, [[8] * 9], steps=24)
-        five = [[i, i + 1, 2 * i] for i in range(3, 8)]
-        assert greedy(compiled, five) == greedy(eager, five)
+        assert_same_greedy_tokens(compiled, eager, BATCH)
+        assert_same_greedy_tokens(compiled, eager, [[8] * 9], steps=24)
+        assert_same_greedy_tokens(compiled, eager, [[i, i + 1, 2 * i] for i in range(3, 8)])
     assert graphs["unique_graphs"] - before == 2
 
 

@@ -13,7 +13,8 @@ from gguf.quants import dequantize, quantize
 from tests.helpers import forward_in_chunks
 from tests.models.test_gguf_loader import TOKENS, tiny_model, write_gguf  # noqa: F401 (tiny_model is a fixture)
 from tokenloop.models.loader import load_model
-from tokenloop.models.quant import INT4_KERNEL_MAX_ROWS, Int4Linear, int4_from_gguf_blocks
+from tokenloop import kernels
+from tokenloop.models.quant import INT4_KERNEL_MAX_ROWS, Int4Linear, Int8Embedding, int4_from_gguf_blocks, int8_from_gguf_blocks
 
 Q = gguf.GGMLQuantizationType
 
@@ -35,22 +36,48 @@ def test_int4_mapping_reproduces_the_dequantized_gguf_weights_exactly(qtype):
     assert torch.equal(linear.dequantize(torch.float32), expected)
 
 
-def test_int4_linear_runs_the_kernel_for_few_rows_and_float32_for_many():
+def test_q8_0_mapping_reproduces_the_dequantized_gguf_weights_exactly():
+    rng = np.random.default_rng(2)
+    weights = (rng.standard_normal((40, 96)) * rng.uniform(0.01, 3, (40, 1))).astype(np.float32)
+    blocks = quantize(weights, Q.Q8_0)
+    expected = torch.from_numpy(dequantize(blocks, Q.Q8_0))
+    int8 = int8_from_gguf_blocks(blocks)
+    assert int8.q.dtype == torch.int8
+    assert torch.equal(int8.dequantize(), expected)
+    embedding = Int8Embedding(40, 96)
+    embedding.load_rows(slice(None), int8)
+    ids = torch.tensor([3, 0, 39, 3])
+    assert torch.equal(embedding(ids), expected[ids])  # the lookup is exact
+
+
+@pytest.mark.parametrize("cpu_kernel", [True, False])
+def test_quantized_modules_run_the_kernel_for_few_rows_and_float32_otherwise(cpu_kernel):
     torch.manual_seed(0)
     rng = np.random.default_rng(1)
     blocks = quantize(rng.standard_normal((64, 96)).astype(np.float32), Q.Q4_1)
     linear = Int4Linear(96, 64, bias=True)
     linear.load_rows(slice(None), int4_from_gguf_blocks(blocks, Q.Q4_1))
-    linear.pack_for_kernel()
     torch.nn.init.normal_(linear.bias)
+    head_blocks = quantize(rng.standard_normal((80, 96)).astype(np.float32), Q.Q8_0)
+    head = Int8Embedding(80, 96)
+    head.load_rows(slice(None), int8_from_gguf_blocks(head_blocks))
+    if cpu_kernel:
+        linear.use_cpu_kernel()
+        head.use_cpu_kernel()
+        assert linear.cpu_kernel == head.cpu_kernel == (kernels._unsupported_reason() is None)
     weight = torch.from_numpy(dequantize(blocks, Q.Q4_1))
+    head_weight = torch.from_numpy(dequantize(head_blocks, Q.Q8_0))
     many = torch.randn(INT4_KERNEL_MAX_ROWS + 1, 96)
     assert torch.equal(linear(many), F.linear(many, weight, linear.bias))  # dense float32 on the exact weights
     few = many[:2]
-    # bfloat16 activations and scales in the kernel: close to the float32 product (outputs ~10), not equal.
-    expected = F.linear(few, weight, linear.bias)
-    assert expected.abs().max() > 5
-    torch.testing.assert_close(linear(few), expected, atol=0.25, rtol=0.02)
+    expected, expected_logits = F.linear(few, weight, linear.bias), F.linear(few, head_weight)
+    if linear.cpu_kernel:  # int8 activations in the kernel: close to the float32 product (outputs ~10), not equal
+        assert expected.abs().max() > 5
+        torch.testing.assert_close(linear(few), expected, atol=0.25, rtol=0.02)
+        torch.testing.assert_close(head.logits(few), expected_logits, atol=0.25, rtol=0.02)
+    else:
+        assert torch.equal(linear(few), expected)
+        torch.testing.assert_close(head.logits(few), expected_logits)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
@@ -65,5 +92,19 @@ def test_fast_path_keeps_gguf_4bit_linears_and_stays_close_to_float32(tiny_model
         assert torch.equal(layer_fast.self_attn.qkv_proj.weight_int4().dequantize(), layer_exact.self_attn.qkv_proj.weight)
     # Many rows at once run dense float32 on the same weights: only the bfloat16 embedding differs.
     torch.testing.assert_close(forward_in_chunks(fast, TOKENS, [len(TOKENS)]), forward_in_chunks(exact, TOKENS, [len(TOKENS)]), atol=0.02, rtol=0)
-    # One token at a time runs the bfloat16 int4 kernel.
+    # One token at a time runs the int4 kernel, with int8 activations.
     torch.testing.assert_close(forward_in_chunks(fast, TOKENS, [1] * len(TOKENS)), forward_in_chunks(exact, TOKENS, [len(TOKENS)]), atol=0.05, rtol=0)
+
+
+def test_fast_path_keeps_a_tied_q8_0_embedding_as_the_int8_lm_head(tiny_model, tmp_path):  # noqa: F811
+    arch, model = tiny_model
+    path = write_gguf(model, arch, tmp_path / "m.gguf", Q.Q8_0)
+    exact = load_model(path, torch.float32, torch.device("cpu"), load_tokenizer=False)
+    fast = load_model(path, torch.float32, torch.device("cpu"), load_tokenizer=False, keep_quantized=True)
+    tied = fast.config.tie_word_embeddings
+    assert isinstance(fast.model.embed_tokens, Int8Embedding) == tied
+    if tied:
+        assert fast.model.lm_head is fast.model.embed_tokens
+        assert torch.equal(fast.model.embed_tokens.weight_int8().dequantize(), exact.model.embed_tokens.weight)
+    expected = forward_in_chunks(exact, TOKENS, [len(TOKENS)])
+    torch.testing.assert_close(forward_in_chunks(fast, TOKENS, [1] * len(TOKENS)), expected, atol=0.05, rtol=0)

@@ -82,16 +82,14 @@ def _bench_tokenloop(cfg: BenchConfig) -> EngineResult:
 
 
 def decode_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights one decode step reads: every parameter once (a tied head is one tensor) and, for an
-    int4 linear, the copy the int4 kernel reads (its unpacked nibbles serve prefill only). Rotary tables
-    are left out: a step reads one row of them."""
-    from tokenloop.models.quant import Int4Linear
+    """Bytes of weights one decode step reads: every parameter and int4 buffer once (a tied head is one
+    tensor). Rotary tables are left out: a step reads one row of them."""
+    from tokenloop.models.quant import Int4Linear, Int8Embedding
 
     tensors = {id(p): p for p in model.parameters()}
     for m in model.modules():
-        if isinstance(m, Int4Linear):
-            kernel = [m.kernel_qweight, m.kernel_scales_zeros] if m.kernel_qweight.numel() else [m.qweight, m.scales, m.zeros]
-            tensors |= {id(t): t for t in kernel}
+        if isinstance(m, (Int4Linear, Int8Embedding)):
+            tensors |= {id(t): t for t in m.buffers()}
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 

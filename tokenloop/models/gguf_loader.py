@@ -12,7 +12,7 @@ import torch
 from gguf.quants import dequantize
 
 from tokenloop.models.config import ModelConfig
-from tokenloop.models.quant import INT4_TENSOR_TYPES, Int4Tensor, int4_from_gguf_blocks
+from tokenloop.models.quant import INT4_TENSOR_TYPES, INT8_TENSOR_TYPES, Int4Tensor, Int8Tensor, int4_from_gguf_blocks, int8_from_gguf_blocks
 
 # GGUF's general.architecture → Hugging Face class name. Mistral GGUFs declare "llama".
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -86,10 +86,10 @@ def hf_name(gguf_name: str) -> str:
 
 
 def iter_gguf_weights(
-    reader: gguf.GGUFReader, config: ModelConfig, keep_int4: bool = False
-) -> Iterator[tuple[str, torch.Tensor | Int4Tensor]]:
-    """Yield (Hugging Face name, tensor) one at a time from the memory map: float32, dequantized, except
-    Q4_0/Q4_1 tensors with keep_int4, which come as Int4Tensor (the file's own integers and scales)."""
+    reader: gguf.GGUFReader, config: ModelConfig, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | Int4Tensor | Int8Tensor]]:
+    """Yield (Hugging Face name, tensor) one at a time from the memory map: float32, dequantized, except, with
+    keep_quantized, Q4_0/Q4_1 tensors as Int4Tensor and Q8_0 as Int8Tensor (the file's own integers and scales)."""
     permute_qk = config.architecture == GGUF_ARCHITECTURES["llama"]
     for t in reader.tensors:
         if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
@@ -99,8 +99,10 @@ def iter_gguf_weights(
         if permute_qk and t.name.endswith((".attn_q.weight", ".attn_k.weight")):
             heads = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
             rows = torch.from_numpy(unpermute_rope_rows(np.arange(t.data.shape[0]), heads))
-        if keep_int4 and t.tensor_type in INT4_TENSOR_TYPES:
+        if keep_quantized and t.tensor_type in INT4_TENSOR_TYPES:
             yield hf_name(t.name), int4_from_gguf_blocks(t.data, t.tensor_type).rows(rows)
+        elif keep_quantized and t.tensor_type in INT8_TENSOR_TYPES:
+            yield hf_name(t.name), int8_from_gguf_blocks(t.data).rows(rows)
         else:
             yield hf_name(t.name), dequantize_rows(t.data, t.tensor_type)[rows]
 
@@ -119,8 +121,13 @@ def dequantize_rows(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, ro
 
 
 def int4_tensor_names(reader: gguf.GGUFReader) -> set[str]:
-    """Hugging Face names of the tensors that iter_gguf_weights(keep_int4=True) yields as Int4Tensor."""
+    """Hugging Face names of the tensors that iter_gguf_weights(keep_quantized=True) yields as Int4Tensor."""
     return {hf_name(t.name) for t in reader.tensors if t.tensor_type in INT4_TENSOR_TYPES}
+
+
+def int8_tensor_names(reader: gguf.GGUFReader) -> set[str]:
+    """Hugging Face names of the tensors that iter_gguf_weights(keep_quantized=True) yields as Int8Tensor."""
+    return {hf_name(t.name) for t in reader.tensors if t.tensor_type in INT8_TENSOR_TYPES}
 
 
 def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:

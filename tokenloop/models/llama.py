@@ -15,7 +15,7 @@ from torch import nn
 from tokenloop.models.attention import AttentionMetadata, KVCacheAttention
 from tokenloop.models.config import ModelConfig
 from tokenloop.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
-from tokenloop.models.quant import Int4Linear, Int4Tensor, low_precision_linear
+from tokenloop.models.quant import Int4Linear, Int4Tensor, Int8Embedding, Int8Tensor, low_precision_linear
 
 
 class DecoderAttention(nn.Module):
@@ -72,7 +72,9 @@ class LlamaForCausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         """The LM head shares the embedding matrix when the config says so (again after to_empty)."""
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and isinstance(self.embed_tokens, Int8Embedding):
+            self.lm_head = self.embed_tokens
+        elif self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -84,7 +86,9 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return low_precision_linear(hidden, self.lm_head.weight)  # (N, vocab)
+        if isinstance(self.lm_head, Int8Embedding):
+            return self.lm_head.logits(hidden)  # (N, vocab)
+        return low_precision_linear(hidden, self.lm_head.weight)
 
     def attention_layers(self) -> list[KVCacheAttention]:
         return [layer.self_attn.attn for layer in self.layers]
@@ -105,10 +109,14 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(ckpt_part, packed), shard_index, slice(start, start + sizes[shard_index])
         return name, 0, slice(None)
 
-    def use_int4(self, int4_checkpoint_names: set[str]) -> None:
-        """Turn into Int4Linear every decoder linear whose checkpoint tensors (all shards) are 4-bit.
+    def use_quantized(self, int4_checkpoint_names: set[str], int8_checkpoint_names: set[str]) -> None:
+        """Turn into Int4Linear every decoder linear whose checkpoint tensors (all shards) are 4-bit, and a tied
+        8-bit embedding into an Int8Embedding (the LM head too).
 
         Call on the meta device, before the weights are loaded."""
+        if self.config.tie_word_embeddings and "model.embed_tokens.weight" in int8_checkpoint_names:
+            self.embed_tokens = Int8Embedding(self.config.vocab_size, self.config.hidden_size)
+            self.tie_weights()
         shards: dict[str, set[str]] = {}
         for name in int4_checkpoint_names:
             target, _, _ = self.checkpoint_target(name)
@@ -126,13 +134,13 @@ class LlamaForCausalLM(nn.Module):
         return sum(packed == module for packed, _ in self.packed_modules.values()) or 1
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | Int4Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | Int4Tensor | Int8Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the parameters, packing q/k/v and gate/up.
 
         Every parameter (every shard of a packed one) must be written: a missing or unexpected tensor raises ValueError.
         """
         params: dict[str, Any] = dict(self.named_parameters())
-        params |= {f"{name}.weight": m for name, m in self.named_modules() if isinstance(m, Int4Linear)}
+        params |= {f"{name}.weight": m for name, m in self.named_modules() if isinstance(m, (Int4Linear, Int8Embedding))}
         expected = set()
         for name in params:
             expected |= {(name, i) for i in range(self.num_shards(name.split(".")[-2]))}
@@ -144,14 +152,19 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise ValueError(f"unexpected tensor {ckpt_name!r} in the checkpoint")
             dest = params[target]
-            dest_shape = (dest.out_features, dest.in_features) if isinstance(dest, Int4Linear) else dest.shape
+            if isinstance(dest, Int4Linear):
+                dest_shape = (dest.out_features, dest.in_features)
+            elif isinstance(dest, Int8Embedding):
+                dest_shape = (dest.num_embeddings, dest.embedding_dim)
+            else:
+                dest_shape = dest.shape
             rows_shape = (len(range(dest_shape[0])[rows]), *dest_shape[1:])
             if tuple(rows_shape) != tuple(tensor.shape):
                 raise ValueError(f"tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, expected {tuple(rows_shape)}")
-            if isinstance(dest, Int4Linear):
+            if isinstance(dest, (Int4Linear, Int8Embedding)):
                 dest.load_rows(rows, tensor)
             else:
-                dest[rows].copy_(tensor.dequantize() if isinstance(tensor, Int4Tensor) else tensor)
+                dest[rows].copy_(tensor.dequantize() if isinstance(tensor, (Int4Tensor, Int8Tensor)) else tensor)
             written.add((target, shard))
         if missing := sorted(expected - written):
             raise ValueError(f"checkpoint is missing tensors for: {[name for name, _ in missing[:8]]}")

@@ -12,11 +12,11 @@ from torch import nn
 
 from tokenloop.models import store
 from tokenloop.models.config import ModelConfig
-from tokenloop.models.gguf_loader import config_from_gguf, int4_tensor_names, iter_gguf_weights
+from tokenloop.models.gguf_loader import config_from_gguf, int4_tensor_names, int8_tensor_names, iter_gguf_weights
 from tokenloop.models.gguf_metadata import open_gguf, read_metadata
 from tokenloop.models.hf_loader import config_from_folder, iter_safetensors_weights
 from tokenloop.models.layers import RotaryEmbedding
-from tokenloop.models.quant import Int4Linear
+from tokenloop.models.quant import Int4Linear, Int8Embedding
 from tokenloop.models.registry import model_class
 from tokenloop.tokenizer.tokenizer import Tokenizer
 
@@ -36,10 +36,12 @@ def load_model(
     load_tokenizer: bool = True,
     keep_quantized: bool = False,
 ) -> LoadedModel:
-    """keep_quantized: GGUF Q4_0/Q4_1 linears stay 4-bit (Int4Linear) and the embedding / LM head of such a file
-    is held in bfloat16 (the fast path); otherwise every weight is dequantized to `dtype` (the exact path)."""
+    """keep_quantized: GGUF Q4_0/Q4_1 linears stay 4-bit (Int4Linear), a tied Q8_0 embedding / LM head stays 8-bit
+    (Int8Embedding) and any other embedding / LM head of such a file is held in bfloat16 (the fast path);
+    otherwise every weight is dequantized to `dtype` (the exact path)."""
     path = store.resolve(name_or_path)
     int4_names: set[str] = set()
+    int8_names: set[str] = set()
     if path.is_dir():
         config = config_from_folder(path)
         weights: Iterable[tuple[str, torch.Tensor]] = iter_safetensors_weights(path)
@@ -48,23 +50,25 @@ def load_model(
         reader = open_gguf(path)
         meta = read_metadata(reader)
         config = config_from_gguf(meta, {t.name for t in reader.tensors})
-        int4_names = int4_tensor_names(reader) if keep_quantized else set()
-        weights = iter_gguf_weights(reader, config, keep_int4=keep_quantized)
+        if keep_quantized:
+            int4_names, int8_names = int4_tensor_names(reader), int8_tensor_names(reader)
+        weights = iter_gguf_weights(reader, config, keep_quantized=keep_quantized)
         tokenizer = Tokenizer.from_gguf_metadata(meta) if load_tokenizer else None
         # The parsed metadata (a vocabulary of tens of thousands of small arrays) is not needed any more:
         # freed before the weights arrive, it stays out of the peak memory of loading.
         reader.fields.clear()
         del meta
-    model = build_model(config, dtype, device, int4_names)
+    model = build_model(config, dtype, device, int4_names, int8_names)
     model.load_weights(weights)
-    if int4_names:
-        for module in model.modules():
-            if isinstance(module, Int4Linear):
-                module.pack_for_kernel()
+    for module in model.modules():
+        if isinstance(module, (Int4Linear, Int8Embedding)):
+            module.use_cpu_kernel()
     return LoadedModel(model=model.eval(), config=config, tokenizer=tokenizer, path=path)
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, int4_names: set[str] = frozenset()) -> nn.Module:
+def build_model(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, int4_names: set[str] = frozenset(), int8_names: set[str] = frozenset()
+) -> nn.Module:
     """Parameters in their dtype on their device, left uninitialised: the checkpoint writes every one of them
     (load_weights checks), so random initialisation would be seconds of wasted work."""
     cls = model_class(config.architecture)
@@ -73,12 +77,13 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, i
     try:
         with torch.device("meta"):
             model = cls(config)
-            model.use_int4(int4_names)
+            model.use_quantized(int4_names, int8_names)
     finally:
         torch.set_default_dtype(previous)
-    if int4_names:  # the fast path holds the embedding / LM head in bfloat16
-        model.embed_tokens.to(torch.bfloat16)
-        model.lm_head.to(torch.bfloat16)
+    if int4_names:  # the fast path holds an embedding / LM head it did not keep in int8 in bfloat16
+        for module in {model.embed_tokens, model.lm_head}:
+            if not isinstance(module, Int8Embedding):
+                module.to(torch.bfloat16)
     model.to_empty(device=device)
     model.tie_weights()
     for module in model.modules():

@@ -1,8 +1,8 @@
 """4-bit weights that stay 4-bit: GGUF Q4_0/Q4_1 blocks mapped exactly onto group-32 int4 with a scale and a zero.
 
 A GGUF Q4_1 group of 32 weights is w = q * d + m (q in 0..15, d and m float16); Q4_0 is w = (q - 8) * d.
-Both are w = (q - 8) * scale + zero with scale = d and zero = m + 8d (Q4_1) or 0 (Q4_0): the form that
-PyTorch's int4 CPU kernel (`_weight_int4pack_mm_for_cpu`) computes, so the integers need no requantization.
+Both are w = q * scale + offset with scale = d and offset = m (Q4_1) or -8d (Q4_0): the form tokenloop's
+CPU kernel (`tokenloop.kernels`) computes, so the integers need no requantization.
 """
 
 from __future__ import annotations
@@ -15,15 +15,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenloop import kernels
+
 GROUP_SIZE = 32
-# Rows at most for the int4 kernel and for bfloat16 matmuls (decode, batches); more rows (prefill) dequantize
-# to float32 for a dense matmul, which has several times their arithmetic throughput on a CPU without
-# bfloat16 instructions. Measured on 2 AVX2 cores: the int4 kernel wins up to about 64 rows, bfloat16 up to 16.
+# Rows at most for the int4 kernel (decode, batches); more rows (prefill) dequantize to float32 for a dense
+# matmul, whose cost per row is lower once the dequantization is shared by enough of them.
 INT4_KERNEL_MAX_ROWS = 64
 LOW_PRECISION_MAX_ROWS = 16
 
 T = gguf.GGMLQuantizationType
 INT4_TENSOR_TYPES = {T.Q4_0, T.Q4_1}
+INT8_TENSOR_TYPES = {T.Q8_0}
 
 
 @dataclass(slots=True)
@@ -32,7 +34,7 @@ class Int4Tensor:
 
     q: torch.Tensor  # [N, K] uint8 in 0..15
     scales: torch.Tensor  # [N, K / 32] float32
-    zeros: torch.Tensor  # [N, K / 32] float32
+    offsets: torch.Tensor  # [N, K / 32] float32
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -41,17 +43,16 @@ class Int4Tensor:
     def dequantize(self) -> torch.Tensor:
         n, k = self.q.shape
         w = torch.empty(n, k // GROUP_SIZE, GROUP_SIZE, dtype=torch.float32, device=self.q.device)
-        return dequantize_into(w, self.q.view(n, k // GROUP_SIZE, GROUP_SIZE), self.scales, self.zeros).view(n, k)
+        return dequantize_into(w, self.q.view(n, k // GROUP_SIZE, GROUP_SIZE), self.scales, self.offsets).view(n, k)
 
     def rows(self, rows: slice | torch.Tensor) -> Int4Tensor:
-        return Int4Tensor(self.q[rows], self.scales[rows], self.zeros[rows])
+        return Int4Tensor(self.q[rows], self.scales[rows], self.offsets[rows])
 
 
-def dequantize_into(out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """out [N, groups, j] = (q - 8) * scale + zero, computed as (zero - 8 * scale) + q * scale: the offset is m
-    (Q4_1) or -8d (Q4_0) exactly and q * scale is exact in float32, so each weight is rounded once, as in
-    gguf's own dequantization (bit for bit)."""
-    return torch.addcmul((zeros - 8 * scales)[..., None], q, scales[..., None], out=out)
+def dequantize_into(out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """out [N, groups, j] = offset + q * scale: q * scale is exact in float32 (float16 d times 4 bits), so each
+    weight is rounded once, as in gguf's own dequantization (bit for bit; for Q4_0 the sum is exact too)."""
+    return torch.addcmul(offsets[..., None], q, scales[..., None], out=out)
 
 
 def int4_from_gguf_blocks(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> Int4Tensor:
@@ -63,10 +64,39 @@ def int4_from_gguf_blocks(data: np.ndarray, tensor_type: gguf.GGMLQuantizationTy
     packed = blocks[..., header:]  # low nibbles hold weights 0..15 of the group, high nibbles 16..31
     q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(n, -1)
     if tensor_type == T.Q4_0:
-        zeros = np.zeros_like(d)
+        offsets = -8 * d  # exact in float32
     else:
-        zeros = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) + 8 * d  # exact in float32
-    return Int4Tensor(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zeros))
+        offsets = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    return Int4Tensor(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(offsets))
+
+
+@dataclass(slots=True)
+class Int8Tensor:
+    """A [N, K] weight as int8 with one scale per group of 32 along K (GGUF Q8_0: w = q * d)."""
+
+    q: torch.Tensor  # [N, K] int8
+    scales: torch.Tensor  # [N, K / 32] float32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """q * d is exact in float32 (8 bits times float16's 11), as in gguf's own dequantization."""
+        n, k = self.q.shape
+        return (self.q.view(n, k // GROUP_SIZE, GROUP_SIZE) * self.scales[..., None]).view(n, k)
+
+    def rows(self, rows: slice | torch.Tensor) -> Int8Tensor:
+        return Int8Tensor(self.q[rows], self.scales[rows])
+
+
+def int8_from_gguf_blocks(data: np.ndarray) -> Int8Tensor:
+    """Raw Q8_0 bytes [N, bytes per row] → Int8Tensor [N, K], bit for bit."""
+    n = data.shape[0]
+    blocks = np.ascontiguousarray(data).reshape(n, -1, 2 + GROUP_SIZE)  # float16 d, then 32 int8
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[..., 2:].copy().view(np.int8).reshape(n, -1)
+    return Int8Tensor(torch.from_numpy(q), torch.from_numpy(d))
 
 
 class Int4Linear(nn.Module):
@@ -81,53 +111,79 @@ class Int4Linear(nn.Module):
         # GGUF's own nibble order: byte j of a group holds weight j (low nibble) and weight j + 16 (high).
         self.register_buffer("qweight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
         self.register_buffer("scales", torch.empty(out_features, groups))
-        self.register_buffer("zeros", torch.empty(out_features, groups))
+        self.register_buffer("offsets", torch.empty(out_features, groups))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        # The CPU int4 kernel's own layout of the same weight, built by pack_for_kernel once loading is done;
-        # empty off the CPU (or before packing), where every call dequantizes.
-        self.register_buffer("kernel_qweight", torch.empty(0, dtype=torch.uint8), persistent=False)
-        self.register_buffer("kernel_scales_zeros", torch.empty(0, dtype=torch.bfloat16), persistent=False)
+        self.cpu_kernel = False  # set by use_cpu_kernel once the weights are loaded
 
     def load_rows(self, rows: slice, weight: Int4Tensor) -> None:
         q = weight.q
         halves = q.view(q.shape[0], -1, 2, GROUP_SIZE // 2)  # [rows, groups, low/high, 16]
         self.qweight[rows] = (halves[:, :, 0] | (halves[:, :, 1] << 4)).flatten(1)
         self.scales[rows] = weight.scales
-        self.zeros[rows] = weight.zeros
+        self.offsets[rows] = weight.offsets
 
     def weight_int4(self) -> Int4Tensor:
         packed = self.qweight.view(self.out_features, -1, 1, GROUP_SIZE // 2)
         q = torch.cat([packed & 0x0F, packed >> 4], dim=2).view(self.out_features, self.in_features)
-        return Int4Tensor(q, self.scales, self.zeros)
+        return Int4Tensor(q, self.scales, self.offsets)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight in `dtype`, each half-group written straight from its nibbles (no unpacked copy)."""
         n, groups = self.scales.shape
         packed = self.qweight.view(n, groups, GROUP_SIZE // 2)
         w = torch.empty(n, groups, 2, GROUP_SIZE // 2, dtype=torch.float32, device=packed.device)
-        dequantize_into(w[:, :, 0], packed & 0x0F, self.scales, self.zeros)
-        dequantize_into(w[:, :, 1], packed >> 4, self.scales, self.zeros)
+        dequantize_into(w[:, :, 0], packed & 0x0F, self.scales, self.offsets)
+        dequantize_into(w[:, :, 1], packed >> 4, self.scales, self.offsets)
         return w.view(n, self.in_features).to(dtype)
 
-    def pack_for_kernel(self) -> None:
-        """Build the CPU int4 kernel's packed weight and bfloat16 [groups, N, 2] scales/zeros (after loading)."""
-        if self.qweight.device.type != "cpu":
-            return
-        w = self.weight_int4()
-        self.kernel_qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.int(), 1)
-        self.kernel_scales_zeros = torch.stack([w.scales.t(), w.zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
+    def use_cpu_kernel(self) -> None:
+        """Few-row products (decode) go through tokenloop's CPU kernel, which reads qweight as it is, when the
+        weights are on a CPU that can run it."""
+        self.cpu_kernel = self.qweight.device.type == "cpu" and kernels.quantized_matmul_available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= INT4_KERNEL_MAX_ROWS and self.kernel_qweight.numel():
-            # The kernel is fast with bfloat16 activations only (about 10x slower in float32).
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x.to(torch.bfloat16), self.kernel_qweight, GROUP_SIZE, self.kernel_scales_zeros
-            ).to(x.dtype)
+        if self.cpu_kernel and x.shape[0] <= INT4_KERNEL_MAX_ROWS:
+            y = torch.ops.tokenloop.q4_matmul(x.float().contiguous(), self.qweight, self.scales, self.offsets).to(x.dtype)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.dequantize(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int4 group {GROUP_SIZE}"
+
+
+class Int8Embedding(nn.Module):
+    """A token embedding held as int8 (GGUF Q8_0) that, tied, is the LM head too: `logits` runs tokenloop's
+    CPU kernel, which reads a quarter of the bytes a float32 head would."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        if embedding_dim % GROUP_SIZE:
+            raise ValueError(f"int8 embeddings need a dimension divisible by {GROUP_SIZE}, got {embedding_dim}")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.register_buffer("qweight", torch.empty(num_embeddings, embedding_dim, dtype=torch.int8))
+        self.register_buffer("scales", torch.empty(num_embeddings, embedding_dim // GROUP_SIZE))
+        self.cpu_kernel = False  # set by use_cpu_kernel once the weights are loaded
+
+    def load_rows(self, rows: slice, weight: Int8Tensor) -> None:
+        self.qweight[rows] = weight.q
+        self.scales[rows] = weight.scales
+
+    def weight_int8(self) -> Int8Tensor:
+        return Int8Tensor(self.qweight, self.scales)
+
+    def use_cpu_kernel(self) -> None:
+        self.cpu_kernel = self.qweight.device.type == "cpu" and kernels.quantized_matmul_available()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return Int8Tensor(self.qweight[input_ids], self.scales[input_ids]).dequantize()
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernel:
+            return torch.ops.tokenloop.q8_matmul(x.float().contiguous(), self.qweight, self.scales).to(x.dtype)
+        return F.linear(x, self.weight_int8().dequantize().to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8 group {GROUP_SIZE}"
 
 
 def low_precision_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

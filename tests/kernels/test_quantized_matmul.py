@@ -1,0 +1,76 @@
+"""tokenloop's CPU kernel for GGUF-quantized weights: int8 activations per block of 32, integer dot products.
+
+Its result is checked against the same arithmetic written in float64 with torch (exact up to float32
+rounding), and against the float32 product of the dequantized weights (close: the activations are 8-bit)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenloop import kernels
+
+pytestmark = pytest.mark.skipif(kernels._unsupported_reason() is not None, reason=str(kernels._unsupported_reason()))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert kernels.quantized_matmul_available()  # where it is supported, building it must work
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's activation quantization, in torch: int8 per block of 32, scale = max|x| / 127."""
+    m, k = x.shape
+    blocks = x.view(m, k // 32, 32)
+    amax = blocks.abs().amax(-1)
+    q = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0)[..., None])
+    return q.double(), (amax / 127).double(), blocks.double().sum(-1)
+
+
+def random_q4(n: int, k: int, gen: torch.Generator):
+    q = torch.randint(0, 16, (n, k // 32, 32), dtype=torch.uint8, generator=gen)
+    packed = (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(n, k // 2).contiguous()  # GGUF's nibble order
+    scale = torch.rand(n, k // 32, generator=gen) * 0.02
+    offset = -torch.rand(n, k // 32, generator=gen) * 0.1
+    weight = (q.float() * scale[..., None] + offset[..., None]).view(n, k)
+    return packed, scale, offset, q, weight
+
+
+SHAPES = [(1, 64, 32), (2, 96, 17), (3, 576, 100), (4, 64, 64), (5, 160, 33), (9, 1536, 48), (33, 96, 7)]
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_q4_matmul_is_the_int8_activation_product(m, k, n):
+    gen = torch.Generator().manual_seed(m * k + n)
+    packed, scale, offset, q, weight = random_q4(n, k, gen)
+    x = torch.randn(m, k, generator=gen) * 3
+    x[0, :32] = 0  # an all-zero block has scale 0
+    y = torch.ops.tokenloop.q4_matmul(x, packed, scale, offset)
+    xq, xs, xsum = quantize_activations(x)
+    expected = torch.einsum("mgj,ngj,ng,mg->mn", xq, q.double(), scale.double(), xs) + xsum @ offset.double().t()
+    torch.testing.assert_close(y.double(), expected, atol=1e-5, rtol=1e-5)
+    dense = x @ weight.t()
+    assert (y - dense).abs().max() < 0.02 * dense.abs().max()
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_q8_matmul_is_the_int8_activation_product(m, k, n):
+    gen = torch.Generator().manual_seed(m * k + n + 1)
+    q = torch.randint(-128, 128, (n, k // 32, 32), dtype=torch.int8, generator=gen)
+    q[0, 0, :4] = -128  # the most negative byte needs the sign trick to stay exact
+    scale = torch.rand(n, k // 32, generator=gen) * 0.02
+    x = torch.randn(m, k, generator=gen)
+    y = torch.ops.tokenloop.q8_matmul(x, q.view(n, k), scale)
+    xq, xs, _ = quantize_activations(x)
+    expected = torch.einsum("mgj,ngj,ng,mg->mn", xq, q.double(), scale.double(), xs)
+    torch.testing.assert_close(y.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_shapes_raise_a_clear_error():
+    packed, scale, offset, _, _ = random_q4(8, 64, torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="K must be a multiple of 32"):
+        torch.ops.tokenloop.q4_matmul(torch.randn(1, 48), packed, scale, offset)
+    with pytest.raises(RuntimeError, match="bytes per row"):
+        torch.ops.tokenloop.q4_matmul(torch.randn(1, 96), packed, scale, offset)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.tokenloop.q4_matmul(torch.randn(1, 64).double(), packed, scale, offset)

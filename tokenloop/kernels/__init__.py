@@ -1,0 +1,90 @@
+"""tokenloop's own CPU kernels (C++), compiled on first use and cached under $TOKENLOOP_HOME/kernels.
+
+`quantized_matmul.cpp` computes x W^T for GGUF 4-bit and 8-bit weights the way llama.cpp does on a CPU:
+int8 activations and integer dot products. PyTorch ships no such kernel for AVX2 CPUs (its int4 kernel
+converts every weight to bfloat16 and is compute-bound on it), and this product is most of a decode step.
+
+The library is built with the C++ compiler inductor uses too, against the installed torch's headers, once
+per source/torch version (about 10 s). Where it cannot be built or run (no compiler, no AVX2, not x86), it
+warns once and the model dequantizes its weights for a dense matmul instead: slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from tokenloop.models.store import tokenloop_home
+
+SOURCE = Path(__file__).with_name("quantized_matmul.cpp")
+CXX_FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-mavx2", "-mfma", "-fopenmp", "-w"]
+
+
+@functools.cache
+def quantized_matmul_available() -> bool:
+    """Whether torch.ops.tokenloop.q4_matmul / q8_matmul are registered (building the library if needed)."""
+    why = _unsupported_reason()
+    if why is None:
+        try:
+            torch.ops.load_library(str(_built_library()))
+            _register_fake_kernels()
+            return True
+        except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+            why = f"building or loading it failed: {getattr(e, 'stderr', None) or e}"
+    warnings.warn(f"tokenloop's quantized CPU kernel is not used ({why}); 4-bit weights are dequantized for every product, which is slower", stacklevel=2)
+    return False
+
+
+def _unsupported_reason() -> str | None:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"it is written for x86-64 CPUs, this is {platform.machine()}"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return "this CPU has no AVX2"
+    if _compiler() is None:
+        return "no C++ compiler found (set CXX or install g++)"
+    return None
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+
+
+def _built_library() -> Path:
+    """The compiled library for this source and this torch, built into the cache if it is not there yet."""
+    from torch.utils import cpp_extension
+
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(CXX_FLAGS).encode()).hexdigest()[:16]
+    target = tokenloop_home() / "kernels" / f"quantized_matmul-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    libraries = [f for p in cpp_extension.library_paths() for f in (f"-L{p}", f"-Wl,-rpath,{p}")]
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        command = [_compiler(), *CXX_FLAGS, abi, *includes, str(SOURCE), "-o", str(built), *libraries, "-lc10", "-ltorch_cpu"]
+        subprocess.run(command, check=True, capture_output=True, text=True)
+        os.replace(built, target)  # atomic: a concurrent build or a reader never sees half a file
+    return target
+
+
+def _register_fake_kernels() -> None:
+    """Output shapes for torch.compile, which traces the ops without running them."""
+
+    @torch.library.register_fake("tokenloop::q4_matmul")
+    def _(x, weight, scale, offset):
+        return x.new_empty(x.shape[0], weight.shape[0])
+
+    @torch.library.register_fake("tokenloop::q8_matmul")
+    def _(x, weight, scale):
+        return x.new_empty(x.shape[0], weight.shape[0])
