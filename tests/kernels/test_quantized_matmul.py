@@ -30,9 +30,9 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 def random_q4(n: int, k: int, gen: torch.Generator):
     q = torch.randint(0, 16, (n, k // 32, 32), dtype=torch.uint8, generator=gen)
     packed = (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(n, k // 2).contiguous()  # GGUF's nibble order
-    scale = torch.rand(n, k // 32, generator=gen) * 0.02
-    offset = -torch.rand(n, k // 32, generator=gen) * 0.1
-    weight = (q.float() * scale[..., None] + offset[..., None]).view(n, k)
+    scale = (torch.rand(n, k // 32, generator=gen) * 0.02).half()  # float16, as GGUF stores them
+    offset = (-torch.rand(n, k // 32, generator=gen) * 0.1).half()
+    weight = (q.float() * scale.float()[..., None] + offset.float()[..., None]).view(n, k)
     return packed, scale, offset, q, weight
 
 
@@ -58,7 +58,7 @@ def test_q8_matmul_is_the_int8_activation_product(m, k, n):
     gen = torch.Generator().manual_seed(m * k + n + 1)
     q = torch.randint(-128, 128, (n, k // 32, 32), dtype=torch.int8, generator=gen)
     q[0, 0, :4] = -128  # the most negative byte needs the sign trick to stay exact
-    scale = torch.rand(n, k // 32, generator=gen) * 0.02
+    scale = (torch.rand(n, k // 32, generator=gen) * 0.02).half()
     x = torch.randn(m, k, generator=gen)
     y = torch.ops.tokenloop.q8_matmul(x, q.view(n, k), scale)
     xq, xs, _ = quantize_activations(x)
@@ -74,3 +74,5 @@ def test_bad_shapes_raise_a_clear_error():
         torch.ops.tokenloop.q4_matmul(torch.randn(1, 96), packed, scale, offset)
     with pytest.raises(RuntimeError, match="float32"):
         torch.ops.tokenloop.q4_matmul(torch.randn(1, 64).double(), packed, scale, offset)
+    with pytest.raises(RuntimeError, match="float16"):
+        torch.ops.tokenloop.q4_matmul(torch.randn(1, 64), packed, scale.float(), offset)

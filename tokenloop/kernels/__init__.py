@@ -26,7 +26,7 @@ import torch
 from tokenloop.models.store import tokenloop_home
 
 SOURCE = Path(__file__).with_name("quantized_matmul.cpp")
-CXX_FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-mavx2", "-mfma", "-fopenmp", "-w"]
+CXX_FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-w"]
 
 
 @functools.cache

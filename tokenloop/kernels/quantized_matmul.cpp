@@ -7,6 +7,7 @@
 //   q4: 16 bytes, byte j = weight j (low nibble) and weight j+16 (high nibble), GGUF's order;
 //       w = q * scale + offset (Q4_1: offset = m; Q4_0: offset = -8 * scale).
 //   q8: 32 signed bytes, w = q * scale (Q8_0).
+// Scales and offsets are float16, as in the file: exact, and a sixth of the bytes a step reads instead of a third.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -86,12 +87,15 @@ inline __m256i load_weight_block(const uint8_t* block, std::false_type /*q8*/) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block));
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
+inline float dot(const uint16_t* a_half, const float* b, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a_half + i)));
+    acc = _mm256_fmadd_ps(a, _mm256_loadu_ps(b + i), acc);
+  }
   float s = hsum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (; i < n; ++i) s += _cvtsh_ss(a_half[i]) * b[i];
   return s;
 }
 
@@ -99,7 +103,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // accumulators live in registers; two accumulators per row, for even and odd blocks, halve the chain of
 // dependent multiply-adds (a single row would wait on each one's latency).
 template <bool kQ4, int kRows>
-void dot_rows(const Activations& x, const uint8_t* wrow, const float* srow, const float* orow, float* y, int64_t y_stride) {
+void dot_rows(const Activations& x, const uint8_t* wrow, const uint16_t* srow, const uint16_t* orow, float* y, int64_t y_stride) {
   constexpr int64_t bytes_per_block = kQ4 ? 16 : 32;
   __m256 acc[kRows][2];
   for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -108,7 +112,7 @@ void dot_rows(const Activations& x, const uint8_t* wrow, const float* srow, cons
     for (int r = 0; r < kRows; ++r) {
       const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + r * x.k + g * kBlock));
       const __m256i d = kQ4 ? dot_q4(w, xb) : dot_q8(w, xb);
-      acc[r][parity] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(srow[g] * x.scale[r * x.groups + g]), acc[r][parity]);
+      acc[r][parity] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(_cvtsh_ss(srow[g]) * x.scale[r * x.groups + g]), acc[r][parity]);
     }
   };
   int64_t g = 0;
@@ -125,14 +129,14 @@ void dot_rows(const Activations& x, const uint8_t* wrow, const float* srow, cons
 }
 
 template <bool kQ4>
-void matmul_rows(const Activations& x0, int64_t m, const uint8_t* weight, const float* scale, const float* offset,
+void matmul_rows(const Activations& x0, int64_t m, const uint8_t* weight, const uint16_t* scale, const uint16_t* offset,
                  int64_t n_rows, float* y) {
   const int64_t k = x0.k, groups = x0.groups, row_bytes = groups * (kQ4 ? 16 : 32);
   at::parallel_for(0, n_rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* wrow = weight + n * row_bytes;
-      const float* srow = scale + n * groups;
-      const float* orow = kQ4 ? offset + n * groups : nullptr;
+      const uint16_t* srow = scale + n * groups;
+      const uint16_t* orow = kQ4 ? offset + n * groups : nullptr;
       for (int64_t r = 0; r < m;) {
         const Activations x{x0.q + r * k, x0.scale + r * groups, x0.sum + r * groups, k, groups};
         float* yr = y + r * n_rows + n;
@@ -147,11 +151,13 @@ void matmul_rows(const Activations& x0, int64_t m, const uint8_t* weight, const 
   });
 }
 
+const uint16_t* half_bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); }
+
 void check(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, at::ScalarType weight_type, int64_t bytes_per_block) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be a contiguous [M, K] float32 tensor");
   TORCH_CHECK(x.size(1) % kBlock == 0, "K must be a multiple of 32, got ", x.size(1));
   TORCH_CHECK(weight.scalar_type() == weight_type && weight.is_contiguous(), "weight must be contiguous ", weight_type);
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous(), "scales must be contiguous float32");
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous(), "scales must be contiguous float16");
   TORCH_CHECK(weight.size(1) == x.size(1) / kBlock * bytes_per_block, "weight has ", weight.size(1),
               " bytes per row, expected ", x.size(1) / kBlock * bytes_per_block);
   TORCH_CHECK(scale.size(0) == weight.size(0) && scale.size(1) == x.size(1) / kBlock, "scales must be [N, K / 32]");
@@ -159,17 +165,17 @@ void check(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scal
 
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& offset) {
   check(x, weight, scale, at::kByte, 16);
-  TORCH_CHECK(offset.sizes() == scale.sizes() && offset.scalar_type() == at::kFloat && offset.is_contiguous(), "offsets must be like scales");
+  TORCH_CHECK(offset.sizes() == scale.sizes() && offset.scalar_type() == at::kHalf && offset.is_contiguous(), "offsets must be like scales");
   at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
-  matmul_rows<true>(quantize_rows(x), x.size(0), weight.data_ptr<uint8_t>(), scale.data_ptr<float>(),
-                    offset.data_ptr<float>(), weight.size(0), y.data_ptr<float>());
+  matmul_rows<true>(quantize_rows(x), x.size(0), weight.data_ptr<uint8_t>(), half_bits(scale), half_bits(offset),
+                    weight.size(0), y.data_ptr<float>());
   return y;
 }
 
 at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
   check(x, weight, scale, at::kChar, 32);
   at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
-  matmul_rows<false>(quantize_rows(x), x.size(0), reinterpret_cast<const uint8_t*>(weight.data_ptr<int8_t>()), scale.data_ptr<float>(), nullptr,
+  matmul_rows<false>(quantize_rows(x), x.size(0), reinterpret_cast<const uint8_t*>(weight.data_ptr<int8_t>()), half_bits(scale), nullptr,
                      weight.size(0), y.data_ptr<float>());
   return y;
 }

@@ -33,8 +33,8 @@ class Int4Tensor:
     """A [N, K] weight as 4-bit integers with one scale and zero per group of 32 along K."""
 
     q: torch.Tensor  # [N, K] uint8 in 0..15
-    scales: torch.Tensor  # [N, K / 32] float32
-    offsets: torch.Tensor  # [N, K / 32] float32
+    scales: torch.Tensor  # [N, K / 32] float16, as in the file
+    offsets: torch.Tensor  # [N, K / 32] float16
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -50,9 +50,9 @@ class Int4Tensor:
 
 
 def dequantize_into(out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """out [N, groups, j] = offset + q * scale: q * scale is exact in float32 (float16 d times 4 bits), so each
+    """out [N, groups, j] = offset + q * scale in float32: q * scale is exact (float16 d times 4 bits), so each
     weight is rounded once, as in gguf's own dequantization (bit for bit; for Q4_0 the sum is exact too)."""
-    return torch.addcmul(offsets[..., None], q, scales[..., None], out=out)
+    return torch.addcmul(offsets.float()[..., None], q, scales.float()[..., None], out=out)
 
 
 def int4_from_gguf_blocks(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> Int4Tensor:
@@ -60,13 +60,13 @@ def int4_from_gguf_blocks(data: np.ndarray, tensor_type: gguf.GGMLQuantizationTy
     n = data.shape[0]
     header = 2 if tensor_type == T.Q4_0 else 4  # float16 d, then float16 m for Q4_1
     blocks = np.ascontiguousarray(data).reshape(n, -1, header + GROUP_SIZE // 2)  # [N, groups, block bytes]
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
     packed = blocks[..., header:]  # low nibbles hold weights 0..15 of the group, high nibbles 16..31
     q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(n, -1)
     if tensor_type == T.Q4_0:
-        offsets = -8 * d  # exact in float32
+        offsets = d * np.float16(-8)  # exact: a power of two
     else:
-        offsets = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        offsets = blocks[..., 2:4].copy().view(np.float16)[..., 0]
     return Int4Tensor(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(offsets))
 
 
@@ -75,7 +75,7 @@ class Int8Tensor:
     """A [N, K] weight as int8 with one scale per group of 32 along K (GGUF Q8_0: w = q * d)."""
 
     q: torch.Tensor  # [N, K] int8
-    scales: torch.Tensor  # [N, K / 32] float32
+    scales: torch.Tensor  # [N, K / 32] float16, as in the file
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -84,7 +84,7 @@ class Int8Tensor:
     def dequantize(self) -> torch.Tensor:
         """q * d is exact in float32 (8 bits times float16's 11), as in gguf's own dequantization."""
         n, k = self.q.shape
-        return (self.q.view(n, k // GROUP_SIZE, GROUP_SIZE) * self.scales[..., None]).view(n, k)
+        return (self.q.view(n, k // GROUP_SIZE, GROUP_SIZE) * self.scales.float()[..., None]).view(n, k)
 
     def rows(self, rows: slice | torch.Tensor) -> Int8Tensor:
         return Int8Tensor(self.q[rows], self.scales[rows])
@@ -94,7 +94,7 @@ def int8_from_gguf_blocks(data: np.ndarray) -> Int8Tensor:
     """Raw Q8_0 bytes [N, bytes per row] → Int8Tensor [N, K], bit for bit."""
     n = data.shape[0]
     blocks = np.ascontiguousarray(data).reshape(n, -1, 2 + GROUP_SIZE)  # float16 d, then 32 int8
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
     q = blocks[..., 2:].copy().view(np.int8).reshape(n, -1)
     return Int8Tensor(torch.from_numpy(q), torch.from_numpy(d))
 
@@ -110,8 +110,8 @@ class Int4Linear(nn.Module):
         groups = in_features // GROUP_SIZE
         # GGUF's own nibble order: byte j of a group holds weight j (low nibble) and weight j + 16 (high).
         self.register_buffer("qweight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
-        self.register_buffer("scales", torch.empty(out_features, groups))
-        self.register_buffer("offsets", torch.empty(out_features, groups))
+        self.register_buffer("scales", torch.empty(out_features, groups, dtype=torch.float16))
+        self.register_buffer("offsets", torch.empty(out_features, groups, dtype=torch.float16))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.cpu_kernel = False  # set by use_cpu_kernel once the weights are loaded
 
@@ -161,7 +161,7 @@ class Int8Embedding(nn.Module):
             raise ValueError(f"int8 embeddings need a dimension divisible by {GROUP_SIZE}, got {embedding_dim}")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.register_buffer("qweight", torch.empty(num_embeddings, embedding_dim, dtype=torch.int8))
-        self.register_buffer("scales", torch.empty(num_embeddings, embedding_dim // GROUP_SIZE))
+        self.register_buffer("scales", torch.empty(num_embeddings, embedding_dim // GROUP_SIZE, dtype=torch.float16))
         self.cpu_kernel = False  # set by use_cpu_kernel once the weights are loaded
 
     def load_rows(self, rows: slice, weight: Int8Tensor) -> None:
