@@ -2,9 +2,10 @@
 
     pip install -e ".[bench]"; python benchmarks/greedy_agreement_llamacpp.py [--dtype auto] [--tokens 32]
 
-Reports, per prompt, how many leading tokens agree, and the share of prompts that agree in full. Both engines
-round differently (bfloat16 int4 kernel here, llama.cpp's int8-activation dot products), so a near-tie
-between the two best tokens may flip and the texts diverge from there: the first divergence is what counts.
+Reports, per prompt, how many leading tokens agree, and the share of prompts that agree in full. The engines
+round differently (llama.cpp and the fast path both quantize activations to int8, each in its own order of
+sums), so a near-tie between the two best tokens may flip and the texts diverge from there: the first
+divergence is what counts.
 """
 
 from __future__ import annotations

@@ -23,8 +23,10 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 
-// Activations as int8 per block of 32: x ≈ scale * q, with the exact float sum of each block kept for the
-// q4 offset term (sum_j offset * x_j needs no quantization). Raw pointers into a per-thread buffer that
+// Activations as int8 per block of 32: x ≈ scale * q, with each block's sum scale * sum_j q_j for the q4 offset
+// term. That sum is of the quantized values, not of x: the product is then exactly that of the quantized
+// activations with the weights, whose rounding errors partly cancel (sum_j w_j e_j, w_j centred on 0); with
+// x's own sum the error would be sum_j (w_j - offset) e_j, two to three times larger. Raw pointers into a per-thread buffer that
 // the next call reuses: a decode step makes hundreds of calls, and allocations would be a tenth of them.
 struct Activations {
   const int8_t* q;
@@ -46,15 +48,17 @@ Activations quantize_rows(const at::Tensor& x) {
   at::parallel_for(0, m * groups, 64, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const float* v = xp + b * kBlock;
-      float amax = 0.f, sum = 0.f;
-      for (int j = 0; j < kBlock; ++j) {
-        amax = std::fmax(amax, std::fabs(v[j]));
-        sum += v[j];
-      }
+      float amax = 0.f;
+      for (int j = 0; j < kBlock; ++j) amax = std::fmax(amax, std::fabs(v[j]));
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      for (int j = 0; j < kBlock; ++j) qp[b * kBlock + j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
+      int sum = 0;
+      for (int j = 0; j < kBlock; ++j) {
+        const int q = static_cast<int>(std::nearbyint(v[j] * inv));
+        qp[b * kBlock + j] = static_cast<int8_t>(q);
+        sum += q;
+      }
       sp[b] = amax / 127.f;
-      up[b] = sum;
+      up[b] = sp[b] * static_cast<float>(sum);
     }
   });
   return {qp, sp, up, k, groups};
