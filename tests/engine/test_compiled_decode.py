@@ -31,7 +31,8 @@ BATCH = [[3, 7, 11], [60, 2, 2, 8, 31, 5, 90], [12, 40, 41, 13, 1]]
 
 def runner_for(path, compile: bool) -> ModelRunner:
     loaded = load_model(path, torch.float32, torch.device("cpu"), load_tokenizer=False, keep_quantized=True)
-    return ModelRunner(loaded.model, loaded.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, torch.device("cpu"), compile)
+    # A float16 KV cache, as the engine's fast path has (EngineConfig.kv_cache_dtype).
+    return ModelRunner(loaded.model, loaded.config, NUM_BLOCKS, BLOCK_SIZE, torch.float16, torch.device("cpu"), compile)
 
 
 def greedy(runner: ModelRunner, prompts: list[list[int]], steps: int = STEPS, forced: list[list[int]] | None = None):

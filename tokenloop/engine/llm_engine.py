@@ -57,6 +57,12 @@ class EngineConfig:
         return DTYPES["float32" if self.dtype == "auto" else self.dtype]
 
     @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The fast path keeps K/V in float16, as llama.cpp does: half the memory of a long or busy cache,
+        converted to float32 as attention reads it. The exact path keeps them in its own dtype."""
+        return torch.float16 if self.dtype == "auto" else self.torch_dtype
+
+    @property
     def torch_device(self) -> torch.device:
         if self.device is not None:
             return torch.device(self.device)
@@ -72,12 +78,12 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings)
-        num_blocks = int(config.kv_cache_gb * 2**30) // kv_bytes_per_block(loaded.config, config.block_size, dtype)
+        num_blocks = int(config.kv_cache_gb * 2**30) // kv_bytes_per_block(loaded.config, config.block_size, config.kv_cache_dtype)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_gb={config.kv_cache_gb} does not hold one KV block of this model")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, dtype, device, config.compile)
+        self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, config.kv_cache_dtype, device, config.compile)
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, RequestState] = {}
         self._by_seq: dict[str, tuple[RequestState, CompletionState]] = {}  # running completions by sequence id

@@ -65,7 +65,7 @@ class ModelRunner:
         config: ModelConfig,
         num_blocks: int,
         block_size: int,
-        dtype: torch.dtype,
+        kv_dtype: torch.dtype,
         device: torch.device,
         compile: bool = False,
     ) -> None:
@@ -73,8 +73,8 @@ class ModelRunner:
         self.forward = DecodeForward(model, compile)
         shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
         for attn in model.attention_layers():
-            attn.k_cache = zeroed_pool(shape, dtype, device)
-            attn.v_cache = zeroed_pool(shape, dtype, device)
+            attn.k_cache = zeroed_pool(shape, kv_dtype, device)
+            attn.v_cache = zeroed_pool(shape, kv_dtype, device)
         self.sampler = Sampler()
 
     def prepare(self, batch: ScheduledBatch) -> ModelInput:

@@ -36,16 +36,17 @@ class KVCacheAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
-        # Bound by the model runner: [num_slots, num_kv_heads, head_dim] each, updated in place.
+        # Bound by the model runner: [num_slots, num_kv_heads, head_dim] each, updated in place; their dtype may
+        # be narrower than the activations' (float16 on the fast path), converted on the way in and out.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q: (T, num_heads, head_dim); k, v: (T, num_kv_heads, head_dim)
-        self.k_cache.index_copy_(0, meta.slot_mapping, k)
-        self.v_cache.index_copy_(0, meta.slot_mapping, v)
-        keys = self.k_cache[meta.key_slots].transpose(1, 2)  # (B, num_kv_heads, K, head_dim)
-        values = self.v_cache[meta.key_slots].transpose(1, 2)
+        self.k_cache.index_copy_(0, meta.slot_mapping, k.to(self.k_cache.dtype))
+        self.v_cache.index_copy_(0, meta.slot_mapping, v.to(self.v_cache.dtype))
+        keys = self.k_cache[meta.key_slots].to(q.dtype).transpose(1, 2)  # (B, num_kv_heads, K, head_dim)
+        values = self.v_cache[meta.key_slots].to(q.dtype).transpose(1, 2)
         queries = q[meta.query_index].transpose(1, 2)  # (B, num_heads, Q, head_dim)
         out = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=meta.mask, is_causal=meta.mask is None, scale=self.scale,
