@@ -84,11 +84,11 @@ def _bench_tokenloop(cfg: BenchConfig) -> EngineResult:
 def decode_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights one decode step reads: every parameter and int4 buffer once (a tied head is one
     tensor). Rotary tables are left out: a step reads one row of them."""
-    from tokenloop.models.quant import Int4Linear, Int8Embedding
+    from tokenloop.models.quant import QuantizedModule
 
     tensors = {id(p): p for p in model.parameters()}
     for m in model.modules():
-        if isinstance(m, (Int4Linear, Int8Embedding)):
+        if isinstance(m, QuantizedModule):
             tensors |= {id(t): t for t in m.buffers()}
     return sum(t.numel() * t.element_size() for t in tensors.values())
 

@@ -26,8 +26,9 @@ constexpr int64_t kBlock = 32;
 // Activations as int8 per block of 32: x ≈ scale * q, with each block's sum scale * sum_j q_j for the q4 offset
 // term. That sum is of the quantized values, not of x: the product is then exactly that of the quantized
 // activations with the weights, whose rounding errors partly cancel (sum_j w_j e_j, w_j centred on 0); with
-// x's own sum the error would be sum_j (w_j - offset) e_j, two to three times larger. Raw pointers into a per-thread buffer that
-// the next call reuses: a decode step makes hundreds of calls, and allocations would be a tenth of them.
+// x's own sum the error would be sum_j (w_j - offset) e_j, two to three times larger. Raw pointers into a
+// per-thread buffer that the next call reuses: a decode step makes hundreds of calls, and allocations would be
+// a tenth of them.
 struct Activations {
   const int8_t* q;
   const float* scale;

@@ -15,7 +15,7 @@ from torch import nn
 from tokenloop.models.attention import AttentionMetadata, KVCacheAttention
 from tokenloop.models.config import ModelConfig
 from tokenloop.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
-from tokenloop.models.quant import Int4Linear, Int4Tensor, Int8Embedding, Int8Tensor, low_precision_linear
+from tokenloop.models.quant import Int4Linear, Int4Tensor, Int8Embedding, Int8Tensor, QuantizedModule, low_precision_linear
 
 
 class DecoderAttention(nn.Module):
@@ -140,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
         Every parameter (every shard of a packed one) must be written: a missing or unexpected tensor raises ValueError.
         """
         params: dict[str, Any] = dict(self.named_parameters())
-        params |= {f"{name}.weight": m for name, m in self.named_modules() if isinstance(m, (Int4Linear, Int8Embedding))}
+        params |= {f"{name}.weight": m for name, m in self.named_modules() if isinstance(m, QuantizedModule)}
         expected = set()
         for name in params:
             expected |= {(name, i) for i in range(self.num_shards(name.split(".")[-2]))}
@@ -152,16 +152,11 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise ValueError(f"unexpected tensor {ckpt_name!r} in the checkpoint")
             dest = params[target]
-            if isinstance(dest, Int4Linear):
-                dest_shape = (dest.out_features, dest.in_features)
-            elif isinstance(dest, Int8Embedding):
-                dest_shape = (dest.num_embeddings, dest.embedding_dim)
-            else:
-                dest_shape = dest.shape
+            dest_shape = dest.weight_shape if isinstance(dest, QuantizedModule) else dest.shape
             rows_shape = (len(range(dest_shape[0])[rows]), *dest_shape[1:])
             if tuple(rows_shape) != tuple(tensor.shape):
                 raise ValueError(f"tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, expected {tuple(rows_shape)}")
-            if isinstance(dest, (Int4Linear, Int8Embedding)):
+            if isinstance(dest, QuantizedModule):
                 dest.load_rows(rows, tensor)
             else:
                 dest[rows].copy_(tensor.dequantize() if isinstance(tensor, (Int4Tensor, Int8Tensor)) else tensor)

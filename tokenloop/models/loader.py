@@ -16,7 +16,7 @@ from tokenloop.models.gguf_loader import config_from_gguf, int4_tensor_names, in
 from tokenloop.models.gguf_metadata import open_gguf, read_metadata
 from tokenloop.models.hf_loader import config_from_folder, iter_safetensors_weights
 from tokenloop.models.layers import RotaryEmbedding
-from tokenloop.models.quant import Int4Linear, Int8Embedding
+from tokenloop.models.quant import Int8Embedding, QuantizedModule
 from tokenloop.models.registry import model_class
 from tokenloop.tokenizer.tokenizer import Tokenizer
 
@@ -61,7 +61,7 @@ def load_model(
     model = build_model(config, dtype, device, int4_names, int8_names)
     model.load_weights(weights)
     for module in model.modules():
-        if isinstance(module, (Int4Linear, Int8Embedding)):
+        if isinstance(module, QuantizedModule):
             module.use_cpu_kernel()
     return LoadedModel(model=model.eval(), config=config, tokenizer=tokenizer, path=path)
 

@@ -99,7 +99,26 @@ def int8_from_gguf_blocks(data: np.ndarray) -> Int8Tensor:
     return Int8Tensor(torch.from_numpy(q), torch.from_numpy(d))
 
 
-class Int4Linear(nn.Module):
+class QuantizedModule(nn.Module):
+    """A module whose weight stays in the file's integers (`qweight`, one scale per group of 32), loaded row
+    block by row block, and multiplied by tokenloop's CPU kernel where that can run."""
+
+    cpu_kernel = False  # set by use_cpu_kernel once the weights are loaded
+
+    @property
+    def weight_shape(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def load_rows(self, rows: slice, weight: Int4Tensor | Int8Tensor) -> None:
+        raise NotImplementedError
+
+    def use_cpu_kernel(self) -> None:
+        """Products go through the kernel, which reads qweight as it is, when the weights are on a CPU that
+        can run it."""
+        self.cpu_kernel = self.qweight.device.type == "cpu" and kernels.quantized_matmul_available()
+
+
+class Int4Linear(QuantizedModule):
     """y = x W^T (+ b) with W held as group-32 int4; loaded row block by row block (q/k/v, gate/up pack)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
@@ -113,7 +132,10 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales", torch.empty(out_features, groups, dtype=torch.float16))
         self.register_buffer("offsets", torch.empty(out_features, groups, dtype=torch.float16))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.cpu_kernel = False  # set by use_cpu_kernel once the weights are loaded
+
+    @property
+    def weight_shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
 
     def load_rows(self, rows: slice, weight: Int4Tensor) -> None:
         q = weight.q
@@ -136,13 +158,8 @@ class Int4Linear(nn.Module):
         dequantize_into(w[:, :, 1], packed >> 4, self.scales, self.offsets)
         return w.view(n, self.in_features).to(dtype)
 
-    def use_cpu_kernel(self) -> None:
-        """Few-row products (decode) go through tokenloop's CPU kernel, which reads qweight as it is, when the
-        weights are on a CPU that can run it."""
-        self.cpu_kernel = self.qweight.device.type == "cpu" and kernels.quantized_matmul_available()
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cpu_kernel and x.shape[0] <= INT4_KERNEL_MAX_ROWS:
+        if self.cpu_kernel and x.shape[0] <= INT4_KERNEL_MAX_ROWS:  # few rows (decode) on the kernel
             y = torch.ops.tokenloop.q4_matmul(x.float().contiguous(), self.qweight, self.scales, self.offsets).to(x.dtype)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.dequantize(x.dtype), self.bias)
@@ -151,7 +168,7 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int4 group {GROUP_SIZE}"
 
 
-class Int8Embedding(nn.Module):
+class Int8Embedding(QuantizedModule):
     """A token embedding held as int8 (GGUF Q8_0) that, tied, is the LM head too: `logits` runs tokenloop's
     CPU kernel, which reads a quarter of the bytes a float32 head would."""
 
@@ -162,7 +179,10 @@ class Int8Embedding(nn.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.register_buffer("qweight", torch.empty(num_embeddings, embedding_dim, dtype=torch.int8))
         self.register_buffer("scales", torch.empty(num_embeddings, embedding_dim // GROUP_SIZE, dtype=torch.float16))
-        self.cpu_kernel = False  # set by use_cpu_kernel once the weights are loaded
+
+    @property
+    def weight_shape(self) -> tuple[int, int]:
+        return self.num_embeddings, self.embedding_dim
 
     def load_rows(self, rows: slice, weight: Int8Tensor) -> None:
         self.qweight[rows] = weight.q
@@ -170,9 +190,6 @@ class Int8Embedding(nn.Module):
 
     def weight_int8(self) -> Int8Tensor:
         return Int8Tensor(self.qweight, self.scales)
-
-    def use_cpu_kernel(self) -> None:
-        self.cpu_kernel = self.qweight.device.type == "cpu" and kernels.quantized_matmul_available()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return Int8Tensor(self.qweight[input_ids], self.scales[input_ids]).dequantize()
