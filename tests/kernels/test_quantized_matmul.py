@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tokenloop import kernels
+from tokenloop.models.quant import Int4Linear, Int4Tensor
 
 pytestmark = pytest.mark.skipif(kernels._unsupported_reason() is not None, reason=str(kernels._unsupported_reason()))
 
@@ -27,25 +28,34 @@ def quantized_activations(x: torch.Tensor) -> torch.Tensor:
     return (q.double() * (amax.double() / 127)[..., None]).view(m, k)
 
 
-def random_q4(n: int, k: int, gen: torch.Generator):
-    q = torch.randint(0, 16, (n, k // 32, 32), dtype=torch.uint8, generator=gen)
-    packed = (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(n, k // 2).contiguous()  # GGUF's nibble order
+def random_q4(n: int, k: int, gen: torch.Generator) -> tuple[Int4Linear, torch.Tensor]:
+    """An Int4Linear (the kernel's interleaved layout, rows padded to a multiple of 8) and its exact weight."""
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
     scale = (torch.rand(n, k // 32, generator=gen) * 0.02).half()  # float16, as GGUF stores them
     offset = (-torch.rand(n, k // 32, generator=gen) * 0.1).half()
-    weight = (q.float() * scale.float()[..., None] + offset.float()[..., None]).view(n, k)
-    return packed, scale, offset, q, weight
+    linear = Int4Linear(k, n, bias=False)
+    linear.load_rows(slice(None), Int4Tensor(q, scale, offset))
+    weight = (q.view(n, k // 32, 32).float() * scale.float()[..., None] + offset.float()[..., None]).view(n, k)
+    return linear, weight
 
 
-SHAPES = [(1, 64, 32), (2, 96, 17), (3, 576, 100), (4, 64, 64), (5, 160, 33), (9, 1536, 48), (33, 96, 7)]
+def q4_matmul(x: torch.Tensor, linear: Int4Linear) -> torch.Tensor:
+    return torch.ops.tokenloop.q4_matmul(x, linear.qweight, linear.scales, linear.offsets)
+
+
+# m activation rows (tiles of 4 and their remainders), k inputs, n outputs (8-row groups and padded ones)
+SHAPES = [(1, 64, 32), (2, 96, 17), (3, 576, 100), (4, 64, 64), (5, 160, 33), (9, 1536, 48), (33, 96, 7), (130, 64, 24)]
 
 
 @pytest.mark.parametrize("m,k,n", SHAPES)
 def test_q4_matmul_is_the_int8_activation_product(m, k, n):
     gen = torch.Generator().manual_seed(m * k + n)
-    packed, scale, offset, q, weight = random_q4(n, k, gen)
+    linear, weight = random_q4(n, k, gen)
     x = torch.randn(m, k, generator=gen) * 3
     x[0, :32] = 0  # an all-zero block has scale 0
-    y = torch.ops.tokenloop.q4_matmul(x, packed, scale, offset)
+    padded = q4_matmul(x, linear)
+    assert padded.shape == (m, -(-n // 8) * 8) and not padded[:, n:].any()  # padding rows are zero
+    y = padded[:, :n]
     expected = quantized_activations(x) @ weight.double().t()
     torch.testing.assert_close(y.double(), expected, atol=1e-5, rtol=1e-5)
     dense = x @ weight.t()
@@ -65,12 +75,15 @@ def test_q8_matmul_is_the_int8_activation_product(m, k, n):
 
 
 def test_bad_shapes_raise_a_clear_error():
-    packed, scale, offset, _, _ = random_q4(8, 64, torch.Generator().manual_seed(0))
+    linear, _ = random_q4(8, 64, torch.Generator().manual_seed(0))
+    packed, scale, offset = linear.qweight, linear.scales, linear.offsets
     with pytest.raises(RuntimeError, match="K must be a multiple of 32"):
         torch.ops.tokenloop.q4_matmul(torch.randn(1, 48), packed, scale, offset)
-    with pytest.raises(RuntimeError, match="bytes per row"):
+    with pytest.raises(RuntimeError, match=r"weight must be \[N / 8, K / 32, 128\] for K = 96"):
         torch.ops.tokenloop.q4_matmul(torch.randn(1, 96), packed, scale, offset)
     with pytest.raises(RuntimeError, match="float32"):
         torch.ops.tokenloop.q4_matmul(torch.randn(1, 64).double(), packed, scale, offset)
-    with pytest.raises(RuntimeError, match="float16"):
+    with pytest.raises(RuntimeError, match="scales must be contiguous float16"):
         torch.ops.tokenloop.q4_matmul(torch.randn(1, 64), packed, scale.float(), offset)
+    with pytest.raises(RuntimeError, match="offsets must have shape"):
+        torch.ops.tokenloop.q4_matmul(torch.randn(1, 64), packed, scale, offset[:, :1].contiguous())

@@ -3,7 +3,7 @@
 A decode step of a small model is a few hundred tiny ops; eager PyTorch pays several microseconds of dispatch
 for each, as much as the matmuls cost. torch.compile (inductor) fuses them into a handful of
 C++ kernels around the matmul calls. Shapes are dynamic (batch size, context length), so one graph serves
-every single-sequence decode step and one more every batch of 2 to COMPILED_MAX_ROWS sequences. Prefill and
+every single-sequence decode step and one more every batch of two or more sequences. Prefill and
 mixed batches stay eager: their time goes to large matmuls, not dispatch.
 
 Inductor's caches live under $TOKENLOOP_HOME/inductor, so a later start reuses the compiled code instead
@@ -22,12 +22,7 @@ from torch.fx.experimental import _config as fx_config
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from tokenloop.models.attention import AttentionMetadata
-from tokenloop.models.quant import INT4_KERNEL_MAX_ROWS
 from tokenloop.models.store import tokenloop_home
-
-# Larger decode batches would take the dense branch of Int4Linear: another graph for little gain.
-COMPILED_MAX_ROWS = INT4_KERNEL_MAX_ROWS
-
 
 # Guards dynamo checks before every call of a compiled graph that cannot fail once a model is loaded:
 # ~300 weight tensors that never change dtype, shape or device, and the hook dicts of ~400 modules that
@@ -72,7 +67,7 @@ class DecodeForward:
             self.compiled = torch.compile(model.forward, fullgraph=True, dynamic=True, options=compile_options())
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, decode_only: bool) -> torch.Tensor:
-        if self.compiled is not None and decode_only and input_ids.shape[0] <= COMPILED_MAX_ROWS:
+        if self.compiled is not None and decode_only:
             try:
                 # No duck shaping: a context length that happens to equal a model size (the KV head count,
                 # say) on the step that traces must stay a symbol, not become that constant.

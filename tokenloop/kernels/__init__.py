@@ -83,7 +83,7 @@ def _register_fake_kernels() -> None:
 
     @torch.library.register_fake("tokenloop::q4_matmul")
     def _(x, weight, scale, offset):
-        return x.new_empty(x.shape[0], weight.shape[0])
+        return x.new_empty(x.shape[0], weight.shape[0] * 8)  # weight rows come in interleaved groups of 8
 
     @torch.library.register_fake("tokenloop::q8_matmul")
     def _(x, weight, scale):

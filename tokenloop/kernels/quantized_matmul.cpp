@@ -3,10 +3,13 @@
 // (vpmaddubsw: 32 multiply-adds of unsigned × signed bytes per instruction), scaled once per block.
 // PyTorch's own int4 kernel unpacks to bfloat16 and is compute-bound on this; the integer form is not.
 //
-// Weight formats, one block of 32 weights per (row n, group g):
-//   q4: 16 bytes, byte j = weight j (low nibble) and weight j+16 (high nibble), GGUF's order;
-//       w = q * scale + offset (Q4_1: offset = m; Q4_0: offset = -8 * scale).
-//   q8: 32 signed bytes, w = q * scale (Q8_0).
+// Weight formats (w = q * scale + offset per block of 32 weights along K):
+//   q4: rows in groups of 8, interleaved as llama.cpp's repacked CPU formats are: weight [N / 8, K / 32, 128]
+//       holds, for row group R and block g, 4 chunks p of 32 bytes, chunk p = 4 bytes of each of the 8 rows
+//       i in turn, the bytes 4p .. 4p+3 of that row's GGUF block (byte j = weight j in the low nibble,
+//       weight j + 16 in the high one). Scales and offsets are [N / 8, K / 32, 8] (Q4_1: offset = m;
+//       Q4_0: offset = -8 * scale).
+//   q8: row-major int8 [N, K], w = q * scale (Q8_0), scales [N, K / 32].
 // Scales and offsets are float16, as in the file: exact, and a sixth of the bytes a step reads instead of a third.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -16,12 +19,14 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kBlock = 32;
+constexpr int64_t kQ4GroupBytes = 8 * kBlock / 2;  // one block of 8 interleaved rows
 
 // Activations as int8 per block of 32: x ≈ scale * q, with each block's sum scale * sum_j q_j for the q4 offset
 // term. That sum is of the quantized values, not of x: the product is then exactly that of the quantized
@@ -72,52 +77,90 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Eight int32 partial dot products of one weight block with one activation block.
-inline __m256i dot_q4(__m256i w_unsigned, __m256i x) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(w_unsigned, x), _mm256_set1_epi16(1));
+inline __m256 load_halves(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+inline __m256i broadcast_4_bytes(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
 }
 
-inline __m256i dot_q8(__m256i w, __m256i x) {
-  // vpmaddubsw multiplies unsigned by signed bytes: move w's sign onto x.
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
-}
-
-inline __m256i load_weight_block(const uint8_t* block, std::true_type /*q4*/) {
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block));
-  const __m128i low4 = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), low4), _mm_and_si128(packed, low4));
-}
-
-inline __m256i load_weight_block(const uint8_t* block, std::false_type /*q8*/) {
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block));
-}
-
-inline float dot(const uint16_t* a_half, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a_half + i)));
-    acc = _mm256_fmadd_ps(a, _mm256_loadu_ps(b + i), acc);
+// q4: kRows activation rows against one group of 8 interleaved weight rows (see the layout above), 8 outputs
+// per activation row. One vpmaddubsw multiplies 4 weights of each of the 8 rows by the same 4 activations,
+// so its lanes are already per weight row: no horizontal sums, and each weight byte is unpacked once for all
+// kRows rows. A block's 8 products per lane fit int16 (8 * 2 * 15 * 127 < 32767), so they are summed there
+// and widened once per block.
+template <int kRows>
+void q4_rows(const Activations& x, const uint8_t* weight, const uint16_t* scale, const uint16_t* offset, float* y, int64_t y_stride) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < x.groups; ++g) {
+    const uint8_t* wb = weight + g * kQ4GroupBytes;
+    __m256i sum[kRows];
+    for (int r = 0; r < kRows; ++r) sum[r] = _mm256_setzero_si256();
+    for (int p = 0; p < 4; ++p) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * p));
+      const __m256i low = _mm256_and_si256(packed, low4);                         // weights 4p .. 4p+3
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);  // weights 16+4p .. 16+4p+3
+      for (int r = 0; r < kRows; ++r) {
+        const int8_t* xb = x.q + r * x.k + g * kBlock;
+        sum[r] = _mm256_add_epi16(sum[r], _mm256_add_epi16(_mm256_maddubs_epi16(low, broadcast_4_bytes(xb + 4 * p)),
+                                                           _mm256_maddubs_epi16(high, broadcast_4_bytes(xb + 16 + 4 * p))));
+      }
+    }
+    const __m256 d = load_halves(scale + g * 8), m = load_halves(offset + g * 8);
+    for (int r = 0; r < kRows; ++r) {
+      const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r], ones));
+      acc[r] = _mm256_fmadd_ps(dots, _mm256_mul_ps(d, _mm256_set1_ps(x.scale[r * x.groups + g])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.sum[r * x.groups + g]), acc[r]);
+    }
   }
-  float s = hsum(acc);
-  for (; i < n; ++i) s += _cvtsh_ss(a_half[i]) * b[i];
-  return s;
+  for (int r = 0; r < kRows; ++r) _mm256_storeu_ps(y + r * y_stride, acc[r]);
 }
 
-// kRows activation rows against one weight row. The rows are a template parameter so that their
-// accumulators live in registers; two accumulators per row, for even and odd blocks, halve the chain of
-// dependent multiply-adds (a single row would wait on each one's latency).
-template <bool kQ4, int kRows>
-void dot_rows(const Activations& x, const uint8_t* wrow, const uint16_t* srow, const uint16_t* orow, float* y, int64_t y_stride) {
-  constexpr int64_t bytes_per_block = kQ4 ? 16 : 32;
+// Calls rows(x tile, first row, kRows) for tiles of up to 4 activation rows.
+template <typename Fn>
+inline void for_row_tiles(const Activations& x, int64_t m, Fn&& rows) {
+  for (int64_t r = 0; r < m;) {
+    const Activations tile{x.q + r * x.k, x.scale + r * x.groups, x.sum + r * x.groups, x.k, x.groups};
+    switch (std::min<int64_t>(m - r, 4)) {
+      case 4: rows(tile, r, std::integral_constant<int, 4>{}); r += 4; break;
+      case 3: rows(tile, r, std::integral_constant<int, 3>{}); r += 3; break;
+      case 2: rows(tile, r, std::integral_constant<int, 2>{}); r += 2; break;
+      default: rows(tile, r, std::integral_constant<int, 1>{}); r += 1; break;
+    }
+  }
+}
+
+void q4_matmul_rows(const Activations& x, int64_t m, const uint8_t* weight, const uint16_t* scale, const uint16_t* offset,
+                    int64_t row_groups, float* y) {
+  const int64_t n = row_groups * 8, groups = x.groups;
+  at::parallel_for(0, row_groups, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t rg = begin; rg < end; ++rg) {
+      for_row_tiles(x, m, [&](const Activations& tile, int64_t r, auto rows) {
+        q4_rows<decltype(rows)::value>(tile, weight + rg * groups * kQ4GroupBytes, scale + rg * groups * 8, offset + rg * groups * 8,
+                                       y + r * n + rg * 8, n);
+      });
+    }
+  });
+}
+
+// q8: kRows activation rows against one weight row (row-major, as the embedding lookup reads it). Two
+// accumulators per row, for even and odd blocks, halve the chain of dependent multiply-adds.
+template <int kRows>
+void q8_rows(const Activations& x, const int8_t* wrow, const uint16_t* srow, float* y, int64_t y_stride) {
   __m256 acc[kRows][2];
   for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   auto block = [&](int64_t g, int parity) {
-    const __m256i w = load_weight_block(wrow + g * bytes_per_block, std::bool_constant<kQ4>{});
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + g * kBlock));
+    const __m256i w_abs = _mm256_sign_epi8(w, w);  // vpmaddubsw multiplies unsigned by signed bytes: move w's sign onto x
+    const float ws = _cvtsh_ss(srow[g]);
     for (int r = 0; r < kRows; ++r) {
       const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + r * x.k + g * kBlock));
-      const __m256i d = kQ4 ? dot_q4(w, xb) : dot_q8(w, xb);
-      acc[r][parity] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(_cvtsh_ss(srow[g]) * x.scale[r * x.groups + g]), acc[r][parity]);
+      const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(xb, w)), _mm256_set1_epi16(1));
+      acc[r][parity] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(ws * x.scale[r * x.groups + g]), acc[r][parity]);
     }
   };
   int64_t g = 0;
@@ -126,62 +169,51 @@ void dot_rows(const Activations& x, const uint8_t* wrow, const uint16_t* srow, c
     block(g + 1, 1);
   }
   if (g < x.groups) block(g, 0);
-  for (int r = 0; r < kRows; ++r) {
-    float v = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
-    if constexpr (kQ4) v += dot(orow, x.sum + r * x.groups, x.groups);
-    y[r * y_stride] = v;
-  }
+  for (int r = 0; r < kRows; ++r) y[r * y_stride] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 
-template <bool kQ4>
-void matmul_rows(const Activations& x0, int64_t m, const uint8_t* weight, const uint16_t* scale, const uint16_t* offset,
-                 int64_t n_rows, float* y) {
-  const int64_t k = x0.k, groups = x0.groups, row_bytes = groups * (kQ4 ? 16 : 32);
-  at::parallel_for(0, n_rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* wrow = weight + n * row_bytes;
-      const uint16_t* srow = scale + n * groups;
-      const uint16_t* orow = kQ4 ? offset + n * groups : nullptr;
-      for (int64_t r = 0; r < m;) {
-        const Activations x{x0.q + r * k, x0.scale + r * groups, x0.sum + r * groups, k, groups};
-        float* yr = y + r * n_rows + n;
-        switch (std::min<int64_t>(m - r, 4)) {
-          case 4: dot_rows<kQ4, 4>(x, wrow, srow, orow, yr, n_rows); r += 4; break;
-          case 3: dot_rows<kQ4, 3>(x, wrow, srow, orow, yr, n_rows); r += 3; break;
-          case 2: dot_rows<kQ4, 2>(x, wrow, srow, orow, yr, n_rows); r += 2; break;
-          default: dot_rows<kQ4, 1>(x, wrow, srow, orow, yr, n_rows); r += 1; break;
-        }
-      }
+void q8_matmul_rows(const Activations& x, int64_t m, const int8_t* weight, const uint16_t* scale, int64_t n, float* y) {
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      for_row_tiles(x, m, [&](const Activations& tile, int64_t r, auto rows) {
+        q8_rows<decltype(rows)::value>(tile, weight + row * x.k, scale + row * x.groups, y + r * n + row, n);
+      });
     }
   });
 }
 
 const uint16_t* half_bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); }
 
-void check(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, at::ScalarType weight_type, int64_t bytes_per_block) {
+void check_activations(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be a contiguous [M, K] float32 tensor");
   TORCH_CHECK(x.size(1) % kBlock == 0, "K must be a multiple of 32, got ", x.size(1));
-  TORCH_CHECK(weight.scalar_type() == weight_type && weight.is_contiguous(), "weight must be contiguous ", weight_type);
-  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous(), "scales must be contiguous float16");
-  TORCH_CHECK(weight.size(1) == x.size(1) / kBlock * bytes_per_block, "weight has ", weight.size(1),
-              " bytes per row, expected ", x.size(1) / kBlock * bytes_per_block);
-  TORCH_CHECK(scale.size(0) == weight.size(0) && scale.size(1) == x.size(1) / kBlock, "scales must be [N, K / 32]");
+}
+
+void check_halves(const at::Tensor& t, at::IntArrayRef shape, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous(), name, " must be contiguous float16");
+  TORCH_CHECK(t.sizes() == shape, name, " must have shape ", shape, ", got ", t.sizes());
 }
 
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& offset) {
-  check(x, weight, scale, at::kByte, 16);
-  TORCH_CHECK(offset.sizes() == scale.sizes() && offset.scalar_type() == at::kHalf && offset.is_contiguous(), "offsets must be like scales");
-  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
-  matmul_rows<true>(quantize_rows(x), x.size(0), weight.data_ptr<uint8_t>(), half_bits(scale), half_bits(offset),
-                    weight.size(0), y.data_ptr<float>());
+  check_activations(x);
+  const int64_t groups = x.size(1) / kBlock;
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous() && weight.dim() == 3, "weight must be a contiguous uint8 [N / 8, K / 32, 128] tensor");
+  TORCH_CHECK(weight.size(1) == groups && weight.size(2) == kQ4GroupBytes, "weight must be [N / 8, K / 32, 128] for K = ", x.size(1),
+              ", got ", weight.sizes());
+  check_halves(scale, {weight.size(0), groups, 8}, "scales");
+  check_halves(offset, {weight.size(0), groups, 8}, "offsets");
+  at::Tensor y = at::empty({x.size(0), weight.size(0) * 8}, x.options());
+  q4_matmul_rows(quantize_rows(x), x.size(0), weight.data_ptr<uint8_t>(), half_bits(scale), half_bits(offset), weight.size(0), y.data_ptr<float>());
   return y;
 }
 
 at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
-  check(x, weight, scale, at::kChar, 32);
+  check_activations(x);
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous() && weight.dim() == 2, "weight must be a contiguous int8 [N, K] tensor");
+  TORCH_CHECK(weight.size(1) == x.size(1), "weight has ", weight.size(1), " columns, x has ", x.size(1));
+  check_halves(scale, {weight.size(0), x.size(1) / kBlock}, "scales");
   at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
-  matmul_rows<false>(quantize_rows(x), x.size(0), reinterpret_cast<const uint8_t*>(weight.data_ptr<int8_t>()), half_bits(scale), nullptr,
-                     weight.size(0), y.data_ptr<float>());
+  q8_matmul_rows(quantize_rows(x), x.size(0), weight.data_ptr<int8_t>(), half_bits(scale), weight.size(0), y.data_ptr<float>());
   return y;
 }
 

@@ -18,9 +18,7 @@ from torch import nn
 from tokenloop import kernels
 
 GROUP_SIZE = 32
-# Rows at most for the int4 kernel (decode, batches); more rows (prefill) dequantize to float32 for a dense
-# matmul, whose cost per row is lower once the dequantization is shared by enough of them.
-INT4_KERNEL_MAX_ROWS = 64
+INTERLEAVED_ROWS = 8  # the int4 kernel's weight rows come in interleaved groups of this many
 LOW_PRECISION_MAX_ROWS = 16
 
 T = gguf.GGMLQuantizationType
@@ -119,50 +117,63 @@ class QuantizedModule(nn.Module):
 
 
 class Int4Linear(QuantizedModule):
-    """y = x W^T (+ b) with W held as group-32 int4; loaded row block by row block (q/k/v, gate/up pack)."""
+    """y = x W^T (+ b) with W held as group-32 int4; loaded row block by row block (q/k/v, gate/up pack).
+
+    The rows are stored in groups of 8, interleaved for the kernel (layout in quantized_matmul.cpp): one
+    vector instruction then multiplies 4 weights of 8 rows at once. out_features is padded to a multiple of 8
+    with zero rows, whose outputs are dropped."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         if in_features % GROUP_SIZE:
             raise ValueError(f"int4 weights need in_features divisible by {GROUP_SIZE}, got {in_features}")
         self.in_features, self.out_features = in_features, out_features
-        groups = in_features // GROUP_SIZE
-        # GGUF's own nibble order: byte j of a group holds weight j (low nibble) and weight j + 16 (high).
-        self.register_buffer("qweight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
-        self.register_buffer("scales", torch.empty(out_features, groups, dtype=torch.float16))
-        self.register_buffer("offsets", torch.empty(out_features, groups, dtype=torch.float16))
+        row_groups, groups = -(-out_features // INTERLEAVED_ROWS), in_features // GROUP_SIZE
+        self.register_buffer("qweight", torch.zeros(row_groups, groups, INTERLEAVED_ROWS * GROUP_SIZE // 2, dtype=torch.uint8))
+        self.register_buffer("scales", torch.zeros(row_groups, groups, INTERLEAVED_ROWS, dtype=torch.float16))
+        self.register_buffer("offsets", torch.zeros(row_groups, groups, INTERLEAVED_ROWS, dtype=torch.float16))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     @property
     def weight_shape(self) -> tuple[int, int]:
         return self.out_features, self.in_features
 
+    def _packed_rows(self) -> torch.Tensor:
+        """qweight as [row group, row in group, group, 4, 4]: GGUF block byte 4p + t at [..., p, t]. A view, so
+        it reads and writes."""
+        row_groups, groups, _ = self.qweight.shape
+        return self.qweight.view(row_groups, groups, 4, INTERLEAVED_ROWS, 4).permute(0, 3, 1, 2, 4)
+
+    def _row_halves(self, halves: torch.Tensor) -> torch.Tensor:
+        """scales or offsets as [row group, row in group, group] (a view)."""
+        return halves.permute(0, 2, 1)
+
     def load_rows(self, rows: slice, weight: Int4Tensor) -> None:
-        q = weight.q
-        halves = q.view(q.shape[0], -1, 2, GROUP_SIZE // 2)  # [rows, groups, low/high, 16]
-        self.qweight[rows] = (halves[:, :, 0] | (halves[:, :, 1] << 4)).flatten(1)
-        self.scales[rows] = weight.scales
-        self.offsets[rows] = weight.offsets
+        index = torch.arange(self.out_features)[rows]
+        group, row = index // INTERLEAVED_ROWS, index % INTERLEAVED_ROWS
+        q = weight.q.view(len(index), -1, 2, GROUP_SIZE // 2)  # [rows, groups, low/high, 16]
+        packed = q[:, :, 0] | (q[:, :, 1] << 4)  # GGUF's nibble order
+        self._packed_rows()[group, row] = packed.view(len(index), -1, 4, 4)
+        self._row_halves(self.scales)[group, row] = weight.scales
+        self._row_halves(self.offsets)[group, row] = weight.offsets
 
     def weight_int4(self) -> Int4Tensor:
-        packed = self.qweight.view(self.out_features, -1, 1, GROUP_SIZE // 2)
+        packed = self._packed_rows().reshape(-1, self.in_features // GROUP_SIZE, GROUP_SIZE // 2)[: self.out_features]
         q = torch.cat([packed & 0x0F, packed >> 4], dim=2).view(self.out_features, self.in_features)
-        return Int4Tensor(q, self.scales, self.offsets)
+        scales, offsets = (self._row_halves(h).flatten(0, 1)[: self.out_features] for h in (self.scales, self.offsets))
+        return Int4Tensor(q, scales, offsets)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight in `dtype`, each half-group written straight from its nibbles (no unpacked copy)."""
-        n, groups = self.scales.shape
-        packed = self.qweight.view(n, groups, GROUP_SIZE // 2)
-        w = torch.empty(n, groups, 2, GROUP_SIZE // 2, dtype=torch.float32, device=packed.device)
-        dequantize_into(w[:, :, 0], packed & 0x0F, self.scales, self.offsets)
-        dequantize_into(w[:, :, 1], packed >> 4, self.scales, self.offsets)
-        return w.view(n, self.in_features).to(dtype)
+        return self.weight_int4().dequantize().to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cpu_kernel and x.shape[0] <= INT4_KERNEL_MAX_ROWS:  # few rows (decode) on the kernel
-            y = torch.ops.tokenloop.q4_matmul(x.float().contiguous(), self.qweight, self.scales, self.offsets).to(x.dtype)
-            return y if self.bias is None else y + self.bias
-        return F.linear(x, self.dequantize(x.dtype), self.bias)
+        if not self.cpu_kernel:
+            return F.linear(x, self.dequantize(x.dtype), self.bias)
+        y = torch.ops.tokenloop.q4_matmul(x.float().contiguous(), self.qweight, self.scales, self.offsets)
+        if y.shape[1] != self.out_features:
+            y = y[:, : self.out_features]
+        y = y.to(x.dtype)
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int4 group {GROUP_SIZE}"
