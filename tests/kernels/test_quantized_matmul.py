@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tokenloop import kernels
-from tokenloop.models.quant import Int4Linear, Int4Tensor
+from tokenloop.models.quant import Int4Linear, Int4Tensor, Int8Embedding, Int8Tensor
 
 pytestmark = pytest.mark.skipif(kernels._unsupported_reason() is not None, reason=str(kernels._unsupported_reason()))
 
@@ -68,8 +68,12 @@ def test_q8_matmul_is_the_int8_activation_product(m, k, n):
     q = torch.randint(-128, 128, (n, k // 32, 32), dtype=torch.int8, generator=gen)
     q[0, 0, :4] = -128  # the most negative byte needs the sign trick to stay exact
     scale = (torch.rand(n, k // 32, generator=gen) * 0.02).half()
+    head = Int8Embedding(n, k)  # the kernel's interleaved layout, rows padded to a multiple of 8
+    head.load_rows(slice(None), Int8Tensor(q.view(n, k), scale))
     x = torch.randn(m, k, generator=gen)
-    y = torch.ops.tokenloop.q8_matmul(x, q.view(n, k), scale)
+    padded = torch.ops.tokenloop.q8_matmul(x, head.qweight, head.scales)
+    assert padded.shape == (m, -(-n // 8) * 8) and not padded[:, n:].any()
+    y = padded[:, :n]
     expected = quantized_activations(x) @ (q.double() * scale.double()[..., None]).view(n, k).t()
     torch.testing.assert_close(y.double(), expected, atol=1e-5, rtol=1e-5)
 

@@ -9,7 +9,8 @@
 //       i in turn, the bytes 4p .. 4p+3 of that row's GGUF block (byte j = weight j in the low nibble,
 //       weight j + 16 in the high one). Scales and offsets are [N / 8, K / 32, 8] (Q4_1: offset = m;
 //       Q4_0: offset = -8 * scale).
-//   q8: row-major int8 [N, K], w = q * scale (Q8_0), scales [N, K / 32].
+//   q8: the same with signed bytes, w = q * scale (Q8_0): weight [N / 8, K / 32, 256], 8 chunks of 4 bytes
+//       per row; scales [N / 8, K / 32, 8].
 // Scales and offsets are float16, as in the file: exact, and a sixth of the bytes a step reads instead of a third.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -26,7 +27,9 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kQ4GroupBytes = 8 * kBlock / 2;  // one block of 8 interleaved rows
+// One block of 8 interleaved rows.
+constexpr int64_t kQ4GroupBytes = 8 * kBlock / 2;
+constexpr int64_t kQ8GroupBytes = 8 * kBlock;
 
 // Activations as int8 per block of 32: x ≈ scale * q, with each block's sum scale * sum_j q_j for the q4 offset
 // term. That sum is of the quantized values, not of x: the product is then exactly that of the quantized
@@ -68,13 +71,6 @@ Activations quantize_rows(const at::Tensor& x) {
     }
   });
   return {qp, sp, up, k, groups};
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 inline __m256 load_halves(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
@@ -134,51 +130,39 @@ inline void for_row_tiles(const Activations& x, int64_t m, Fn&& rows) {
   }
 }
 
-void q4_matmul_rows(const Activations& x, int64_t m, const uint8_t* weight, const uint16_t* scale, const uint16_t* offset,
-                    int64_t row_groups, float* y) {
-  const int64_t n = row_groups * 8, groups = x.groups;
-  at::parallel_for(0, row_groups, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t rg = begin; rg < end; ++rg) {
-      for_row_tiles(x, m, [&](const Activations& tile, int64_t r, auto rows) {
-        q4_rows<decltype(rows)::value>(tile, weight + rg * groups * kQ4GroupBytes, scale + rg * groups * 8, offset + rg * groups * 8,
-                                       y + r * n + rg * 8, n);
-      });
-    }
-  });
-}
-
-// q8: kRows activation rows against one weight row (row-major, as the embedding lookup reads it). Two
-// accumulators per row, for even and odd blocks, halve the chain of dependent multiply-adds.
+// q8: as q4, with 8 chunks of signed bytes per block. vpmaddubsw multiplies unsigned by signed bytes, so w's
+// sign moves onto x; its pairs of products can reach 2 * 128 * 127, so they are widened to int32 every chunk.
 template <int kRows>
-void q8_rows(const Activations& x, const int8_t* wrow, const uint16_t* srow, float* y, int64_t y_stride) {
-  __m256 acc[kRows][2];
-  for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  auto block = [&](int64_t g, int parity) {
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + g * kBlock));
-    const __m256i w_abs = _mm256_sign_epi8(w, w);  // vpmaddubsw multiplies unsigned by signed bytes: move w's sign onto x
-    const float ws = _cvtsh_ss(srow[g]);
-    for (int r = 0; r < kRows; ++r) {
-      const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + r * x.k + g * kBlock));
-      const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(xb, w)), _mm256_set1_epi16(1));
-      acc[r][parity] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(ws * x.scale[r * x.groups + g]), acc[r][parity]);
+void q8_rows(const Activations& x, const int8_t* weight, const uint16_t* scale, float* y, int64_t y_stride) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < x.groups; ++g) {
+    const int8_t* wb = weight + g * kQ8GroupBytes;
+    __m256i sum[kRows];
+    for (int r = 0; r < kRows; ++r) sum[r] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
+      const __m256i w_abs = _mm256_sign_epi8(w, w);
+      for (int r = 0; r < kRows; ++r) {
+        const __m256i xb = _mm256_sign_epi8(broadcast_4_bytes(x.q + r * x.k + g * kBlock + 4 * c), w);
+        sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, xb), ones));
+      }
     }
-  };
-  int64_t g = 0;
-  for (; g + 2 <= x.groups; g += 2) {
-    block(g, 0);
-    block(g + 1, 1);
+    const __m256 d = load_halves(scale + g * 8);
+    for (int r = 0; r < kRows; ++r)
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(d, _mm256_set1_ps(x.scale[r * x.groups + g])), acc[r]);
   }
-  if (g < x.groups) block(g, 0);
-  for (int r = 0; r < kRows; ++r) y[r * y_stride] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+  for (int r = 0; r < kRows; ++r) _mm256_storeu_ps(y + r * y_stride, acc[r]);
 }
 
-void q8_matmul_rows(const Activations& x, int64_t m, const int8_t* weight, const uint16_t* scale, int64_t n, float* y) {
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      for_row_tiles(x, m, [&](const Activations& tile, int64_t r, auto rows) {
-        q8_rows<decltype(rows)::value>(tile, weight + row * x.k, scale + row * x.groups, y + r * n + row, n);
-      });
-    }
+// y [m, row_groups * 8] = x W^T, in parallel over groups of 8 weight rows, each against every activation row.
+template <typename Rows>
+void matmul_row_groups(const Activations& x, int64_t m, int64_t row_groups, float* y, Rows&& rows) {
+  const int64_t n = row_groups * 8;
+  at::parallel_for(0, row_groups, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t rg = begin; rg < end; ++rg)
+      for_row_tiles(x, m, [&](const Activations& tile, int64_t r, auto k_rows) { rows(tile, rg, k_rows, y + r * n + rg * 8, n); });
   });
 }
 
@@ -203,17 +187,27 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Te
   check_halves(scale, {weight.size(0), groups, 8}, "scales");
   check_halves(offset, {weight.size(0), groups, 8}, "offsets");
   at::Tensor y = at::empty({x.size(0), weight.size(0) * 8}, x.options());
-  q4_matmul_rows(quantize_rows(x), x.size(0), weight.data_ptr<uint8_t>(), half_bits(scale), half_bits(offset), weight.size(0), y.data_ptr<float>());
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  const uint16_t *s = half_bits(scale), *o = half_bits(offset);
+  matmul_row_groups(quantize_rows(x), x.size(0), weight.size(0), y.data_ptr<float>(), [&](const Activations& tile, int64_t rg, auto k_rows, float* out, int64_t n) {
+    q4_rows<decltype(k_rows)::value>(tile, w + rg * groups * kQ4GroupBytes, s + rg * groups * 8, o + rg * groups * 8, out, n);
+  });
   return y;
 }
 
 at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
   check_activations(x);
-  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous() && weight.dim() == 2, "weight must be a contiguous int8 [N, K] tensor");
-  TORCH_CHECK(weight.size(1) == x.size(1), "weight has ", weight.size(1), " columns, x has ", x.size(1));
-  check_halves(scale, {weight.size(0), x.size(1) / kBlock}, "scales");
-  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
-  q8_matmul_rows(quantize_rows(x), x.size(0), weight.data_ptr<int8_t>(), half_bits(scale), weight.size(0), y.data_ptr<float>());
+  const int64_t groups = x.size(1) / kBlock;
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous() && weight.dim() == 3, "weight must be a contiguous int8 [N / 8, K / 32, 256] tensor");
+  TORCH_CHECK(weight.size(1) == groups && weight.size(2) == kQ8GroupBytes, "weight must be [N / 8, K / 32, 256] for K = ", x.size(1),
+              ", got ", weight.sizes());
+  check_halves(scale, {weight.size(0), groups, 8}, "scales");
+  at::Tensor y = at::empty({x.size(0), weight.size(0) * 8}, x.options());
+  const int8_t* w = weight.data_ptr<int8_t>();
+  const uint16_t* s = half_bits(scale);
+  matmul_row_groups(quantize_rows(x), x.size(0), weight.size(0), y.data_ptr<float>(), [&](const Activations& tile, int64_t rg, auto k_rows, float* out, int64_t n) {
+    q8_rows<decltype(k_rows)::value>(tile, w + rg * groups * kQ8GroupBytes, s + rg * groups * 8, out, n);
+  });
   return y;
 }
 

@@ -98,14 +98,57 @@ def int8_from_gguf_blocks(data: np.ndarray) -> Int8Tensor:
 
 
 class QuantizedModule(nn.Module):
-    """A module whose weight stays in the file's integers (`qweight`, one scale per group of 32), loaded row
-    block by row block, and multiplied by tokenloop's CPU kernel where that can run."""
+    """A module whose weight stays in the file's integers (`qweight`, float16 `scales` per group of 32, and
+    `offsets` for int4), loaded row block by row block, and multiplied by tokenloop's CPU kernel where that
+    can run.
+
+    The rows are stored in groups of 8, interleaved for the kernel (layout in quantized_matmul.cpp): one vector
+    instruction then multiplies 4 weights of 8 rows at once. The row count is padded to a multiple of 8 with
+    zero rows, whose outputs are dropped."""
 
     cpu_kernel = False  # set by use_cpu_kernel once the weights are loaded
 
+    def __init__(self, rows: int, cols: int, block_bytes: int, qdtype: torch.dtype, offsets: bool) -> None:
+        super().__init__()
+        if cols % GROUP_SIZE:
+            raise ValueError(f"{type(self).__name__} needs a row length divisible by {GROUP_SIZE}, got {cols}")
+        self.rows, self.cols, self.block_bytes = rows, cols, block_bytes  # block_bytes: one row's 32 weights
+        row_groups, groups = -(-rows // INTERLEAVED_ROWS), cols // GROUP_SIZE
+        self.register_buffer("qweight", torch.zeros(row_groups, groups, INTERLEAVED_ROWS * block_bytes, dtype=qdtype))
+        self.register_buffer("scales", torch.zeros(row_groups, groups, INTERLEAVED_ROWS, dtype=torch.float16))
+        self.register_buffer("offsets", torch.zeros_like(self.scales) if offsets else None)
+
     @property
     def weight_shape(self) -> tuple[int, int]:
-        raise NotImplementedError
+        return self.rows, self.cols
+
+    def _blocks(self) -> torch.Tensor:
+        """qweight as [row group, row in group, group, chunk, 4 bytes], a row's block bytes in order along the
+        last two: a view, so it reads and writes."""
+        row_groups, groups, _ = self.qweight.shape
+        return self.qweight.view(row_groups, groups, self.block_bytes // 4, INTERLEAVED_ROWS, 4).permute(0, 3, 1, 2, 4)
+
+    def _store_rows(self, rows: slice, blocks: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None) -> None:
+        """Write rows given as [n, groups, block_bytes] bytes and [n, groups] scales (and offsets)."""
+        index = torch.arange(self.rows)[rows]
+        at = (index // INTERLEAVED_ROWS, index % INTERLEAVED_ROWS)
+        self._blocks()[at] = blocks.reshape(len(index), -1, self.block_bytes // 4, 4)
+        for buffer, values in ((self.scales, scales), (self.offsets, offsets)):
+            if buffer is not None:
+                buffer.permute(0, 2, 1)[at] = values
+
+    def _read_rows(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Rows `index` (1-D) as [n, groups, block_bytes] bytes and [n, groups] scales and offsets."""
+        at = (index // INTERLEAVED_ROWS, index % INTERLEAVED_ROWS)
+        blocks = self._blocks()[at].flatten(-2)
+        halves = [None if h is None else h.permute(0, 2, 1)[at] for h in (self.scales, self.offsets)]
+        return blocks, halves[0], halves[1]
+
+    def _all_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return self._read_rows(torch.arange(self.rows, device=self.qweight.device))
+
+    def _drop_padding(self, y: torch.Tensor) -> torch.Tensor:
+        return y if y.shape[-1] == self.rows else y[..., : self.rows]
 
     def load_rows(self, rows: slice, weight: Int4Tensor | Int8Tensor) -> None:
         raise NotImplementedError
@@ -117,63 +160,27 @@ class QuantizedModule(nn.Module):
 
 
 class Int4Linear(QuantizedModule):
-    """y = x W^T (+ b) with W held as group-32 int4; loaded row block by row block (q/k/v, gate/up pack).
-
-    The rows are stored in groups of 8, interleaved for the kernel (layout in quantized_matmul.cpp): one
-    vector instruction then multiplies 4 weights of 8 rows at once. out_features is padded to a multiple of 8
-    with zero rows, whose outputs are dropped."""
+    """y = x W^T (+ b) with W held as group-32 int4; loaded row block by row block (q/k/v, gate/up pack)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
-        super().__init__()
-        if in_features % GROUP_SIZE:
-            raise ValueError(f"int4 weights need in_features divisible by {GROUP_SIZE}, got {in_features}")
+        super().__init__(out_features, in_features, GROUP_SIZE // 2, torch.uint8, offsets=True)
         self.in_features, self.out_features = in_features, out_features
-        row_groups, groups = -(-out_features // INTERLEAVED_ROWS), in_features // GROUP_SIZE
-        self.register_buffer("qweight", torch.zeros(row_groups, groups, INTERLEAVED_ROWS * GROUP_SIZE // 2, dtype=torch.uint8))
-        self.register_buffer("scales", torch.zeros(row_groups, groups, INTERLEAVED_ROWS, dtype=torch.float16))
-        self.register_buffer("offsets", torch.zeros(row_groups, groups, INTERLEAVED_ROWS, dtype=torch.float16))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    @property
-    def weight_shape(self) -> tuple[int, int]:
-        return self.out_features, self.in_features
-
-    def _packed_rows(self) -> torch.Tensor:
-        """qweight as [row group, row in group, group, 4, 4]: GGUF block byte 4p + t at [..., p, t]. A view, so
-        it reads and writes."""
-        row_groups, groups, _ = self.qweight.shape
-        return self.qweight.view(row_groups, groups, 4, INTERLEAVED_ROWS, 4).permute(0, 3, 1, 2, 4)
-
-    def _row_halves(self, halves: torch.Tensor) -> torch.Tensor:
-        """scales or offsets as [row group, row in group, group] (a view)."""
-        return halves.permute(0, 2, 1)
-
     def load_rows(self, rows: slice, weight: Int4Tensor) -> None:
-        index = torch.arange(self.out_features)[rows]
-        group, row = index // INTERLEAVED_ROWS, index % INTERLEAVED_ROWS
-        q = weight.q.view(len(index), -1, 2, GROUP_SIZE // 2)  # [rows, groups, low/high, 16]
-        packed = q[:, :, 0] | (q[:, :, 1] << 4)  # GGUF's nibble order
-        self._packed_rows()[group, row] = packed.view(len(index), -1, 4, 4)
-        self._row_halves(self.scales)[group, row] = weight.scales
-        self._row_halves(self.offsets)[group, row] = weight.offsets
+        q = weight.q.view(weight.q.shape[0], -1, 2, GROUP_SIZE // 2)  # [rows, groups, low/high, 16]
+        self._store_rows(rows, q[:, :, 0] | (q[:, :, 1] << 4), weight.scales, weight.offsets)  # GGUF's nibble order
 
     def weight_int4(self) -> Int4Tensor:
-        packed = self._packed_rows().reshape(-1, self.in_features // GROUP_SIZE, GROUP_SIZE // 2)[: self.out_features]
+        packed, scales, offsets = self._all_rows()
         q = torch.cat([packed & 0x0F, packed >> 4], dim=2).view(self.out_features, self.in_features)
-        scales, offsets = (self._row_halves(h).flatten(0, 1)[: self.out_features] for h in (self.scales, self.offsets))
         return Int4Tensor(q, scales, offsets)
 
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.weight_int4().dequantize().to(dtype)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.cpu_kernel:
-            return F.linear(x, self.dequantize(x.dtype), self.bias)
-        y = torch.ops.tokenloop.q4_matmul(x.float().contiguous(), self.qweight, self.scales, self.offsets)
-        if y.shape[1] != self.out_features:
-            y = y[:, : self.out_features]
-        y = y.to(x.dtype)
-        return y if self.bias is None else y + self.bias
+        if self.cpu_kernel:
+            y = self._drop_padding(torch.ops.tokenloop.q4_matmul(x.float().contiguous(), self.qweight, self.scales, self.offsets)).to(x.dtype)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight_int4().dequantize().to(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int4 group {GROUP_SIZE}"
@@ -184,30 +191,24 @@ class Int8Embedding(QuantizedModule):
     CPU kernel, which reads a quarter of the bytes a float32 head would."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
-        super().__init__()
-        if embedding_dim % GROUP_SIZE:
-            raise ValueError(f"int8 embeddings need a dimension divisible by {GROUP_SIZE}, got {embedding_dim}")
+        super().__init__(num_embeddings, embedding_dim, GROUP_SIZE, torch.int8, offsets=False)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.register_buffer("qweight", torch.empty(num_embeddings, embedding_dim, dtype=torch.int8))
-        self.register_buffer("scales", torch.empty(num_embeddings, embedding_dim // GROUP_SIZE, dtype=torch.float16))
-
-    @property
-    def weight_shape(self) -> tuple[int, int]:
-        return self.num_embeddings, self.embedding_dim
 
     def load_rows(self, rows: slice, weight: Int8Tensor) -> None:
-        self.qweight[rows] = weight.q
-        self.scales[rows] = weight.scales
+        self._store_rows(rows, weight.q.view(weight.q.shape[0], -1, GROUP_SIZE), weight.scales, None)
 
     def weight_int8(self) -> Int8Tensor:
-        return Int8Tensor(self.qweight, self.scales)
+        q, scales, _ = self._all_rows()
+        return Int8Tensor(q.view(self.num_embeddings, self.embedding_dim), scales)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return Int8Tensor(self.qweight[input_ids], self.scales[input_ids]).dequantize()
+        q, scales, _ = self._read_rows(input_ids.flatten())
+        rows = Int8Tensor(q.reshape(-1, self.embedding_dim), scales).dequantize()
+        return rows.view(*input_ids.shape, self.embedding_dim)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernel:
-            return torch.ops.tokenloop.q8_matmul(x.float().contiguous(), self.qweight, self.scales).to(x.dtype)
+            return self._drop_padding(torch.ops.tokenloop.q8_matmul(x.float().contiguous(), self.qweight, self.scales)).to(x.dtype)
         return F.linear(x, self.weight_int8().dequantize().to(x.dtype))
 
     def extra_repr(self) -> str:
