@@ -29,7 +29,7 @@ def forward_in_chunks(loaded: LoadedModel, token_ids: list[int], chunks: list[in
         return _forward(loaded, token_ids, chunks, block_size)
     finally:
         for a, (k, v) in zip(layers, saved):
-            a.k_cache, a.v_cache = k, v
+            a.bind_cache(k, v)
 
 
 def _forward(loaded: LoadedModel, token_ids: list[int], chunks: list[int], block_size: int) -> torch.Tensor:

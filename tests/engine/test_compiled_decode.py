@@ -1,5 +1,6 @@
-"""The compiled decode step on a tiny Q4_1 GGUF (int4 kernel inside the graph): the same greedy tokens as
-eager, and no recompilation as batches and contexts change from step to step.
+"""The compiled decode step on a tiny Q4_1 GGUF with a Q8_0 token embedding, as SmolLM2's file is (the int4
+and int8 kernels and the paged decode-attention kernel inside the graph): the same greedy tokens as eager,
+and no recompilation as batches and contexts change from step to step.
 
 Compiled and eager round differently (inductor fuses the elementwise ops), and the kernel's int8 activations
 turn a last-bit difference into a logit difference of about 1e-3 now and then. A random tiny model has
@@ -13,11 +14,13 @@ import pytest
 import torch
 
 from tests.models.test_gguf_loader import Q, tiny_model, write_gguf  # noqa: F401 (tiny_model is a fixture)
+from tokenloop import kernels
 from tokenloop.engine.block_manager import BlockManager
 from tokenloop.engine.model_runner import ModelRunner
 from tokenloop.engine.scheduler import ScheduledBatch
 from tokenloop.engine.sequence import Sequence
 from tokenloop.models.loader import load_model
+from tokenloop.models.quant import Int8Embedding
 from tokenloop.sampling.params import SamplingParams
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 64
@@ -72,11 +75,16 @@ def assert_same_greedy_tokens(compiled: ModelRunner, eager: ModelRunner, prompts
 @pytest.fixture(scope="module")
 def tiny_q4_1(tiny_model, tmp_path_factory):  # noqa: F811
     arch, model = tiny_model
-    return write_gguf(model, arch, tmp_path_factory.mktemp("compiled") / f"{arch}.gguf", Q.Q4_1)
+    return write_gguf(model, arch, tmp_path_factory.mktemp("compiled") / f"{arch}.gguf", Q.Q4_1, embedding_qtype=Q.Q8_0)
 
 
 def test_compiled_decode_gives_the_eager_greedy_tokens_and_never_recompiles(tiny_q4_1):
     eager, compiled = runner_for(tiny_q4_1, compile=False), runner_for(tiny_q4_1, compile=True)
+    model, kernels_run = compiled.model, kernels._unsupported_reason() is None
+    tied = model.config.tie_word_embeddings  # qwen2's is: its Q8_0 embedding is the int8 LM head
+    assert isinstance(model.lm_head, Int8Embedding) == tied
+    assert model.lm_head.cpu_kernel == kernels_run if tied else True
+    assert all(attn.cpu_kernel == kernels_run for attn in model.attention_layers())
     graphs = torch._dynamo.utils.counters["stats"]
     before = graphs["unique_graphs"]
     assert_same_greedy_tokens(compiled, eager, SINGLE)

@@ -52,7 +52,8 @@ def random_k_quant(data: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.n
     return blocks.reshape(data.shape[0], -1)
 
 
-def write_gguf(model, arch: str, path: Path, qtype: Q, extra_tensor: str | None = None) -> Path:
+def write_gguf(model, arch: str, path: Path, qtype: Q, extra_tensor: str | None = None, embedding_qtype: Q | None = None) -> Path:
+    """The model as a GGUF file, every matrix in qtype (the token embedding in embedding_qtype if given)."""
     c = model.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c.num_hidden_layers)
@@ -68,12 +69,13 @@ def write_gguf(model, arch: str, path: Path, qtype: Q, extra_tensor: str | None 
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         data = tensor.float().numpy()
+        tensor_qtype = embedding_qtype if embedding_qtype is not None and name == "model.embed_tokens.weight" else qtype
         if arch == "llama" and ("q_proj.weight" in name or "k_proj.weight" in name):
             data = permute(data, c.num_attention_heads if "q_proj" in name else c.num_key_value_heads)
-        if data.ndim == 2 and qtype in K_QUANT_SCALES:
-            w.add_tensor(gguf_name(name), random_k_quant(data, qtype, np.random.default_rng(len(name))), raw_dtype=qtype)
-        elif data.ndim == 2 and qtype != Q.F32:
-            w.add_tensor(gguf_name(name), quantize(data, qtype), raw_dtype=qtype)
+        if data.ndim == 2 and tensor_qtype in K_QUANT_SCALES:
+            w.add_tensor(gguf_name(name), random_k_quant(data, tensor_qtype, np.random.default_rng(len(name))), raw_dtype=tensor_qtype)
+        elif data.ndim == 2 and tensor_qtype != Q.F32:
+            w.add_tensor(gguf_name(name), quantize(data, tensor_qtype), raw_dtype=tensor_qtype)
         else:
             w.add_tensor(gguf_name(name), data)
     if extra_tensor:

@@ -73,8 +73,7 @@ class ModelRunner:
         self.forward = DecodeForward(model, compile)
         shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
         for attn in model.attention_layers():
-            attn.k_cache = zeroed_pool(shape, kv_dtype, device)
-            attn.v_cache = zeroed_pool(shape, kv_dtype, device)
+            attn.bind_cache(zeroed_pool(shape, kv_dtype, device), zeroed_pool(shape, kv_dtype, device))
         self.sampler = Sampler()
 
     def prepare(self, batch: ScheduledBatch) -> ModelInput:

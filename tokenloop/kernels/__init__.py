@@ -1,12 +1,14 @@
 """tokenloop's own CPU kernels (C++), compiled on first use and cached under $TOKENLOOP_HOME/kernels.
 
-`quantized_matmul.cpp` computes x W^T for GGUF 4-bit and 8-bit weights the way llama.cpp does on a CPU:
-int8 activations and integer dot products. PyTorch ships no such kernel for AVX2 CPUs (its int4 kernel
-converts every weight to bfloat16 and is compute-bound on it), and this product is most of a decode step.
+- `quantized_matmul.cpp` computes x W^T for GGUF 4-bit and 8-bit weights the way llama.cpp does on a CPU:
+  int8 activations and integer dot products. PyTorch ships no such kernel for AVX2 CPUs (its int4 kernel
+  converts every weight to bfloat16 and is compute-bound on it), and this product is most of a step.
+- `paged_attention.cpp` computes decode attention straight from the paged KV cache, without gathering the
+  context into a dense float32 copy first.
 
 The library is built with the C++ compiler inductor uses too, against the installed torch's headers, once
-per source/torch version (about 10 s). Where it cannot be built or run (no compiler, no AVX2, not x86), it
-warns once and the model dequantizes its weights for a dense matmul instead: slower, never wrong.
+per source/torch version (about 20 s). Where it cannot be built or run (no compiler, no AVX2, not x86), it
+warns once and the model runs PyTorch's own ops instead (dequantized weights, SDPA): slower, never wrong.
 """
 
 from __future__ import annotations
@@ -25,13 +27,13 @@ import torch
 
 from tokenloop.models.store import tokenloop_home
 
-SOURCE = Path(__file__).with_name("quantized_matmul.cpp")
+SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 CXX_FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-w"]
 
 
 @functools.cache
-def quantized_matmul_available() -> bool:
-    """Whether torch.ops.tokenloop.q4_matmul / q8_matmul are registered (building the library if needed)."""
+def cpu_kernels_available() -> bool:
+    """Whether torch.ops.tokenloop's kernels are registered (building the library if needed)."""
     why = _unsupported_reason()
     if why is None:
         try:
@@ -40,7 +42,7 @@ def quantized_matmul_available() -> bool:
             return True
         except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
             why = f"building or loading it failed: {getattr(e, 'stderr', None) or e}"
-    warnings.warn(f"tokenloop's quantized CPU kernel is not used ({why}); 4-bit weights are dequantized for every product, which is slower", stacklevel=2)
+    warnings.warn(f"tokenloop's CPU kernels are not used ({why}); quantized weights are dequantized for every product, which is slower", stacklevel=2)
     return False
 
 
@@ -63,8 +65,9 @@ def _built_library() -> Path:
     from torch.utils import cpp_extension
 
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(CXX_FLAGS).encode()).hexdigest()[:16]
-    target = tokenloop_home() / "kernels" / f"quantized_matmul-{key}.so"
+    sources = b"".join(path.read_bytes() for path in SOURCES)
+    key = hashlib.sha256(sources + torch.__version__.encode() + " ".join(CXX_FLAGS).encode()).hexdigest()[:16]
+    target = tokenloop_home() / "kernels" / f"tokenloop_kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -72,7 +75,7 @@ def _built_library() -> Path:
     libraries = [f for p in cpp_extension.library_paths() for f in (f"-L{p}", f"-Wl,-rpath,{p}")]
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        command = [_compiler(), *CXX_FLAGS, abi, *includes, str(SOURCE), "-o", str(built), *libraries, "-lc10", "-ltorch_cpu"]
+        command = [_compiler(), *CXX_FLAGS, abi, *includes, *map(str, SOURCES), "-o", str(built), *libraries, "-lc10", "-ltorch_cpu"]
         subprocess.run(command, check=True, capture_output=True, text=True)
         os.replace(built, target)  # atomic: a concurrent build or a reader never sees half a file
     return target
@@ -81,10 +84,15 @@ def _built_library() -> Path:
 def _register_fake_kernels() -> None:
     """Output shapes for torch.compile, which traces the ops without running them."""
 
+    # Weight rows come in interleaved groups of 8 (weight.shape[0] groups).
     @torch.library.register_fake("tokenloop::q4_matmul")
     def _(x, weight, scale, offset):
-        return x.new_empty(x.shape[0], weight.shape[0] * 8)  # weight rows come in interleaved groups of 8
+        return x.new_empty(x.shape[0], weight.shape[0] * 8)
 
     @torch.library.register_fake("tokenloop::q8_matmul")
     def _(x, weight, scale):
-        return x.new_empty(x.shape[0], weight.shape[0])
+        return x.new_empty(x.shape[0], weight.shape[0] * 8)
+
+    @torch.library.register_fake("tokenloop::paged_decode_attention")
+    def _(q, k_cache, v_cache, key_slots, mask, scale):
+        return torch.empty_like(q)

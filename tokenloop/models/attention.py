@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenloop import kernels
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -36,15 +38,25 @@ class KVCacheAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
-        # Bound by the model runner: [num_slots, num_kv_heads, head_dim] each, updated in place; their dtype may
-        # be narrower than the activations' (float16 on the fast path), converted on the way in and out.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.cpu_kernel = False
+
+    def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """The model runner's pools, [num_slots, num_kv_heads, head_dim] each, updated in place. Their dtype may
+        be narrower than the activations' (float16 on the fast path), converted on the way in and out. Decode
+        reads them through tokenloop's CPU kernel where it can run, instead of gathering a dense copy."""
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.cpu_kernel = k_cache.device.type == "cpu" and self.head_dim % 8 == 0 and kernels.cpu_kernels_available()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q: (T, num_heads, head_dim); k, v: (T, num_kv_heads, head_dim)
         self.k_cache.index_copy_(0, meta.slot_mapping, k.to(self.k_cache.dtype))
         self.v_cache.index_copy_(0, meta.slot_mapping, v.to(self.v_cache.dtype))
+        if self.cpu_kernel and meta.mask is not None and meta.query_index.shape[1] == 1:  # decode: T = B, one query each
+            mask = meta.mask.view(meta.key_slots.shape)
+            out = torch.ops.tokenloop.paged_decode_attention(q.float().contiguous(), self.k_cache, self.v_cache, meta.key_slots, mask, self.scale)
+            return out.view(q.shape[0], -1).to(q.dtype)
         keys = self.k_cache[meta.key_slots].to(q.dtype).transpose(1, 2)  # (B, num_kv_heads, K, head_dim)
         values = self.v_cache[meta.key_slots].to(q.dtype).transpose(1, 2)
         queries = q[meta.query_index].transpose(1, 2)  # (B, num_heads, Q, head_dim)

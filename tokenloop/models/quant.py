@@ -156,7 +156,7 @@ class QuantizedModule(nn.Module):
     def use_cpu_kernel(self) -> None:
         """Products go through the kernel, which reads qweight as it is, when the weights are on a CPU that
         can run it."""
-        self.cpu_kernel = self.qweight.device.type == "cpu" and kernels.quantized_matmul_available()
+        self.cpu_kernel = self.qweight.device.type == "cpu" and kernels.cpu_kernels_available()
 
 
 class Int4Linear(QuantizedModule):
