@@ -25,15 +25,19 @@ from tokenloop.models.attention import AttentionMetadata
 from tokenloop.models.store import tokenloop_home
 
 # Guards dynamo checks before every call of a compiled graph that cannot fail once a model is loaded:
-# ~300 weight tensors that never change dtype, shape or device, and the hook dicts of ~400 modules that
-# never get hooks. Checking them costs milliseconds a step. The model's structure (module types, sizes
-# such as q_size and head_dim) stays guarded, so another model never runs this one's graph.
-SKIPPED_GUARDS = {"EMPTY_NN_MODULE_HOOKS_DICT", "NOT_PRESENT_IN_GENERIC_DICT"}
+# ~300 weight tensors that never change dtype, shape or device; the hook dicts of ~400 modules that never
+# get hooks; the type of each module's _parameters/_buffers/_modules (always a dict); whether anyone marked
+# a tensor's dimensions dynamic (nobody does). Checking them costs milliseconds a step. The model's
+# structure (module types, sizes such as q_size and head_dim) stays guarded, so another model never runs
+# this one's graph.
+SKIPPED_GUARDS = {"EMPTY_NN_MODULE_HOOKS_DICT", "NOT_PRESENT_IN_GENERIC_DICT", "DIMENSION_DYNAMIC_MARKING_GUARD"}
+MODULE_DICTS = ("._parameters", "._buffers", "._modules")
 
 
 def keep_guard(entry) -> bool:
     is_weight = "._parameters[" in entry.name or "._buffers[" in entry.name
-    return not (entry.guard_type in SKIPPED_GUARDS or (entry.guard_type == "TENSOR_MATCH" and is_weight))
+    is_module_dict = entry.guard_type == "TYPE_MATCH" and entry.name.endswith(MODULE_DICTS)
+    return not (entry.guard_type in SKIPPED_GUARDS or is_module_dict or (entry.guard_type == "TENSOR_MATCH" and is_weight))
 
 
 def compile_options() -> dict:

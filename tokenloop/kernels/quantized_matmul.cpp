@@ -96,6 +96,8 @@ void q4_rows(const Activations& x, const uint8_t* weight, const uint16_t* scale,
     const uint8_t* wb = weight + g * kQ4GroupBytes;
     __m256i sum[kRows];
     for (int r = 0; r < kRows; ++r) sum[r] = _mm256_setzero_si256();
+    // Not unrolled: unrolled, gcc computes all 32 products of a 4-row tile before summing any and spills them.
+#pragma GCC unroll 1
     for (int p = 0; p < 4; ++p) {
       const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * p));
       const __m256i low = _mm256_and_si256(packed, low4);                         // weights 4p .. 4p+3
