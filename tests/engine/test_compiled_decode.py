@@ -106,10 +106,13 @@ def test_an_engine_with_compile_builds_both_graphs_while_starting(tiny_model_fol
     llm = LLM(tiny_model_folder, dtype="float32", device="cpu", kv_cache_gb=0.01, compile=True)
     assert llm.llm_engine.runner.forward.compiled is not None
     assert not llm.llm_engine.requests and llm.llm_engine.block_manager.num_used_blocks == 0  # the warm-up left nothing
+    assert llm.llm_engine.runner.forward.guards_frozen  # only the guards that tell the two graphs apart run now
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = ["Hello world", "The quick brown fox", "def main():"]
-    with torch.compiler.set_stance("fail_on_recompile"):  # one sequence and a batch: both built already
-        batch = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        single = llm.generate(prompts[1], params, use_tqdm=False)[0].outputs[0].token_ids
+    graphs = torch._dynamo.utils.counters["stats"]
+    before = graphs["unique_graphs"]
+    batch = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    single = llm.generate(prompts[1], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert graphs["unique_graphs"] == before  # one sequence and a batch: both built while starting
     eager = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, params, use_tqdm=False)]
     assert batch == eager and single == eager[1]

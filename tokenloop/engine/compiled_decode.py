@@ -66,16 +66,25 @@ class DecodeForward:
     def __init__(self, model: nn.Module, compile: bool) -> None:
         self.model = model
         self.compiled = None
+        self.guards_frozen = False
         if compile:
             use_tokenloop_cache_dir()
             self.compiled = torch.compile(model.forward, fullgraph=True, dynamic=True, options=compile_options())
+
+    def freeze_guards(self) -> None:
+        """Called once the graphs are built (LLMEngine.warm_up: one sequence, then several). From then on dynamo
+        checks only the guards that tell those two graphs apart, not the ~3,000 that re-prove that the model
+        is unchanged (about 1 ms a step). torch calls this unsafe because a call that needs a new graph would
+        run an old one instead; after the warm-up none does: batch size and context length are dynamic, and
+        the model, its dtypes and its caches never change."""
+        self.guards_frozen = True
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, decode_only: bool) -> torch.Tensor:
         if self.compiled is not None and decode_only:
             try:
                 # No duck shaping: a context length that happens to equal a model size (the KV head count,
                 # say) on the step that traces must stay a symbol, not become that constant.
-                with fx_config.patch(use_duck_shape=False):
+                with fx_config.patch(use_duck_shape=False), torch.compiler.set_stance(skip_guard_eval_unsafe=self.guards_frozen):
                     return self.compiled(input_ids, positions, meta)
             except torch._dynamo.exc.TorchDynamoException as e:  # tracing or code generation failed
                 warnings.warn(f"compiling the decode step failed, running it eager from now on: {e}", stacklevel=2)

@@ -101,6 +101,7 @@ class LLMEngine:
             while self.has_unfinished_requests():
                 self.step()
         self.block_manager.prefix_queried_tokens = self.block_manager.prefix_hit_tokens = 0
+        self.runner.forward.freeze_guards()
 
     def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
