@@ -30,8 +30,8 @@ constexpr int64_t kBlock = 32;
 // One block of 8 interleaved rows.
 constexpr int64_t kQ4GroupBytes = 8 * kBlock / 2;
 constexpr int64_t kQ8GroupBytes = 8 * kBlock;
-// How far ahead q4_rows asks for weight bytes: a decode step's weights come from memory, in 120 calls too
-// short for the hardware prefetcher to get going (about 7% less time at one row).
+// How far ahead the kernels ask for weight bytes: a decode step's weights come from memory, in calls too short
+// for the hardware prefetcher to get going (at one row, about 7% less time for q4, 5% for the q8 LM head).
 constexpr int64_t kPrefetchBytes = 2048;
 
 // Activations as int8 per block of 32: x ≈ scale * q, with each block's sum scale * sum_j q_j for the q4 offset
@@ -145,6 +145,7 @@ void q8_rows(const Activations& x, const int8_t* weight, const uint16_t* scale, 
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < x.groups; ++g) {
     const int8_t* wb = weight + g * kQ8GroupBytes;
+    for (int line = 0; line < kQ8GroupBytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + line), _MM_HINT_T0);
     __m256i sum[kRows];
     for (int r = 0; r < kRows; ++r) sum[r] = _mm256_setzero_si256();
     for (int c = 0; c < 8; ++c) {
