@@ -32,6 +32,10 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     return torch.from_numpy(np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8)).view(dtype).view(shape)
 
 
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+
 @dataclass(slots=True)
 class StepSamples:
     """A step's samples as Python lists (one device-to-host copy per step), rows = sequences that sampled."""
@@ -77,42 +81,45 @@ class ModelRunner:
         self.sampler = Sampler()
 
     def prepare(self, batch: ScheduledBatch) -> ModelInput:
-        device, bs = self.device, self.block_size
+        # The index arrays are a few dozen integers: numpy builds them in about a microsecond an op, torch's
+        # dispatch costs several, and a decode step takes ~10 ms. They reach the device once, at the end.
+        bs = self.block_size
         starts_list = [seq.num_computed_tokens for seq in batch.seqs]
         input_ids = [t for seq, s, n in zip(batch.seqs, starts_list, batch.num_new_tokens) for t in seq.token_ids[s : s + n]]
-        starts = torch.tensor(starts_list, device=device)  # [B]
-        lens = torch.tensor(batch.num_new_tokens, device=device)  # [B]
-        num_q, num_k = max(batch.num_new_tokens), max(s + n for s, n in zip(starts_list, batch.num_new_tokens))
+        starts = np.array(starts_list, dtype=np.int64)  # [B]
+        lens = np.array(batch.num_new_tokens, dtype=np.int64)  # [B]
+        num_q, num_k = int(lens.max()), int((starts + lens).max())
         max_blocks = max(len(seq.block_table) for seq in batch.seqs)
-        block_tables = torch.tensor([seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in batch.seqs], device=device)
+        block_tables = np.array([seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in batch.seqs], dtype=np.int64)
 
-        q_offsets = torch.arange(num_q, device=device)
+        q_offsets = np.arange(num_q, dtype=np.int64)
         q_pos = starts[:, None] + q_offsets[None, :]  # [B, Q]
         q_valid = q_offsets[None, :] < lens[:, None]  # [B, Q]
-        k_pos = torch.arange(num_k, device=device)
+        k_pos = np.arange(num_k, dtype=np.int64)
         key_slots = block_tables[:, k_pos // bs] * bs + k_pos % bs  # [B, K]; padding keys point at block 0
         mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, Q, K] causal; padding queries still see key 0 (no NaN)
         if self.config.sliding_window is not None:
             mask &= k_pos[None, None, :] > q_pos[:, :, None] - self.config.sliding_window
-        ends = lens.cumsum(0)
+        ends = lens.cumsum()
         # One prompt from its first token: the mask is plain causal, which SDPA applies without reading a
         # mask and skipping the blocks above the diagonal (~40% less attention time in a long prefill).
         plain_causal = len(batch.seqs) == 1 and starts_list[0] == 0 and num_q > 1 and self.config.sliding_window is None
-        query_index = torch.where(q_valid, (ends - lens)[:, None] + q_offsets[None, :], 0)
-        slot_mapping = key_slots.gather(1, q_pos.clamp(max=num_k - 1))[q_valid]
+        query_index = np.where(q_valid, (ends - lens)[:, None] + q_offsets[None, :], 0)
+        slot_mapping = np.take_along_axis(key_slots, np.minimum(q_pos, num_k - 1), axis=1)[q_valid]
+        device = self.device
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping,
-            query_index=query_index,
-            output_index=q_valid.flatten().nonzero().squeeze(1),
-            key_slots=key_slots,
-            mask=None if plain_causal else mask.unsqueeze(1),
+            slot_mapping=_to_device(slot_mapping, device),
+            query_index=_to_device(query_index, device),
+            output_index=_to_device(np.flatnonzero(q_valid), device),
+            key_slots=_to_device(key_slots, device),
+            mask=None if plain_causal else _to_device(mask.reshape(len(batch.seqs), 1, num_q, num_k), device),
         )
         sample_seq_indices = [i for i, (seq, s, n) in enumerate(zip(batch.seqs, starts_list, batch.num_new_tokens)) if s + n == seq.num_tokens]
         return ModelInput(
-            input_ids=torch.tensor(input_ids, device=device),
-            positions=q_pos[q_valid],
+            input_ids=_to_device(np.array(input_ids, dtype=np.int64), device),
+            positions=_to_device(q_pos[q_valid], device),
             meta=meta,
-            sample_rows=(ends - 1)[sample_seq_indices],
+            sample_rows=_to_device((ends - 1)[sample_seq_indices], device),
             sample_seq_indices=sample_seq_indices,
             # A one-token prompt's first step has a context of 1, a size dynamo would specialize on: eager.
             decode_only=num_q == 1 and num_k > 1,
