@@ -78,6 +78,12 @@ Activations quantize_rows(const at::Tensor& x) {
 
 inline __m256 load_halves(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
+// Asks for the cache lines of the weight block kPrefetchBytes past this one (bytes long).
+inline void prefetch_ahead(const void* block, int64_t bytes) {
+  const char* ahead = static_cast<const char*>(block) + kPrefetchBytes;
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+}
+
 inline __m256i broadcast_4_bytes(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -97,7 +103,7 @@ void q4_rows(const Activations& x, const uint8_t* weight, const uint16_t* scale,
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < x.groups; ++g) {
     const uint8_t* wb = weight + g * kQ4GroupBytes;
-    for (int line = 0; line < kQ4GroupBytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + line), _MM_HINT_T0);
+    prefetch_ahead(wb, kQ4GroupBytes);
     __m256i sum[kRows];
     for (int r = 0; r < kRows; ++r) sum[r] = _mm256_setzero_si256();
     // Not unrolled: unrolled, gcc computes all 32 products of a 4-row tile before summing any and spills them.
@@ -145,7 +151,7 @@ void q8_rows(const Activations& x, const int8_t* weight, const uint16_t* scale, 
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < x.groups; ++g) {
     const int8_t* wb = weight + g * kQ8GroupBytes;
-    for (int line = 0; line < kQ8GroupBytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + line), _MM_HINT_T0);
+    prefetch_ahead(wb, kQ8GroupBytes);
     __m256i sum[kRows];
     for (int r = 0; r < kRows; ++r) sum[r] = _mm256_setzero_si256();
     for (int c = 0; c < 8; ++c) {
