@@ -1,6 +1,6 @@
 """The compiled decode step on a tiny Q4_1 GGUF with a Q8_0 token embedding, as SmolLM2's file is (the int4
-and int8 kernels and the paged decode-attention kernel inside the graph): the same greedy tokens as eager,
-and no recompilation as batches and contexts change from step to step.
+and int8 kernels and the paged decode-attention kernel inside the package): the same greedy tokens as eager,
+every decode step run by the one package, compiled once and loaded from the cache after that.
 
 Compiled and eager round differently (inductor fuses the elementwise ops), and the kernel's int8 activations
 turn a last-bit difference into a logit difference of about 1e-3 now and then. A random tiny model has
@@ -10,11 +10,15 @@ eager's greedy choice up to that rounding."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from tests.models.test_gguf_loader import Q, tiny_model, write_gguf  # noqa: F401 (tiny_model is a fixture)
 from tokenloop import kernels
+from tokenloop.engine import compiled_decode
 from tokenloop.engine.block_manager import BlockManager
 from tokenloop.engine.model_runner import ModelRunner
 from tokenloop.engine.scheduler import ScheduledBatch
@@ -26,8 +30,8 @@ from tokenloop.sampling.params import SamplingParams
 BLOCK_SIZE, NUM_BLOCKS = 4, 64
 STEPS = 16
 SINGLE = [[5, 9, 2, 44, 17]]
-# One-token prompts: the first decode step attends 2 keys, as many as the model has KV heads. Traced with
-# duck shaping, that context length would be fused with the head count and compiled as a constant.
+# One-token prompts: the first decode step attends 2 keys, as many as the model has KV heads (a size a
+# tracer could mistake for the same number).
 FIRST_BATCH = [[3], [60]]
 BATCH = [[3, 7, 11], [60, 2, 2, 8, 31, 5, 90], [12, 40, 41, 13, 1]]
 
@@ -72,47 +76,80 @@ def assert_same_greedy_tokens(compiled: ModelRunner, eager: ModelRunner, prompts
         assert (expected.max(1).values - chosen).max() <= 0.02, "a compiled greedy token is not eager's choice"
 
 
+class CountingPackage:
+    """The loaded package, counting its calls."""
+
+    def __init__(self, package) -> None:
+        self.package, self.calls = package, 0
+
+    def run(self, inputs):
+        self.calls += 1
+        return self.package.run(inputs)
+
+
+@pytest.fixture
+def builds(monkeypatch, tmp_path):
+    """An empty package cache, and a count of the packages compiled into it."""
+    monkeypatch.setenv("TOKENLOOP_HOME", str(tmp_path))
+    built = []
+    build = compiled_decode.build_package
+    monkeypatch.setattr(compiled_decode, "build_package", lambda *args: built.append(args[-1]) or build(*args))
+    return built
+
+
 @pytest.fixture(scope="module")
 def tiny_q4_1(tiny_model, tmp_path_factory):  # noqa: F811
     arch, model = tiny_model
     return write_gguf(model, arch, tmp_path_factory.mktemp("compiled") / f"{arch}.gguf", Q.Q4_1, embedding_qtype=Q.Q8_0)
 
 
-def test_compiled_decode_gives_the_eager_greedy_tokens_and_never_recompiles(tiny_q4_1):
+def test_compiled_decode_gives_the_eager_greedy_tokens_from_one_package(tiny_q4_1, builds):
     eager, compiled = runner_for(tiny_q4_1, compile=False), runner_for(tiny_q4_1, compile=True)
+    assert compiled.forward.compiled is not None and len(builds) == 1  # a failed build would have fallen back to eager
     model, kernels_run = compiled.model, kernels._unsupported_reason() is None
     tied = model.config.tie_word_embeddings  # qwen2's is: its Q8_0 embedding is the int8 LM head
     assert isinstance(model.lm_head, Int8Embedding) == tied
     assert model.lm_head.cpu_kernel == kernels_run if tied else True
     assert all(attn.cpu_kernel == kernels_run for attn in model.attention_layers())
-    graphs = torch._dynamo.utils.counters["stats"]
-    before = graphs["unique_graphs"]
-    assert_same_greedy_tokens(compiled, eager, SINGLE)
-    assert_same_greedy_tokens(compiled, eager, FIRST_BATCH)
-    assert compiled.forward.compiled is not None  # a failed compile would have fallen back to eager
-    assert graphs["unique_graphs"] - before == 2  # one sequence; a batch of several
 
-    # Other prompt lengths, batch sizes and a longer context: the same two graphs, nothing compiled again.
-    with torch.compiler.set_stance("fail_on_recompile"):
-        assert_same_greedy_tokens(compiled, eager, BATCH)
-        assert_same_greedy_tokens(compiled, eager, [[8] * 9], steps=24)
-        assert_same_greedy_tokens(compiled, eager, [[i, i + 1, 2 * i] for i in range(3, 8)])
-    assert graphs["unique_graphs"] - before == 2
+    # One sequence and batches, prompt lengths, a longer context: every decode step runs the package.
+    package = compiled.forward.compiled = CountingPackage(compiled.forward.compiled)
+    cases = [(SINGLE, STEPS), (FIRST_BATCH, STEPS), (BATCH, STEPS), ([[8] * 9], 24), ([[i, i + 1, 2 * i] for i in range(3, 8)], STEPS)]
+    for prompts, steps in cases:
+        assert_same_greedy_tokens(compiled, eager, prompts, steps)
+    assert package.calls == sum(steps - 1 for _, steps in cases)  # all steps but each case's prefill
+    assert len(builds) == 1
+
+    # A second start of the same model loads the package: nothing is compiled again.
+    again = runner_for(tiny_q4_1, compile=True)
+    assert not again.forward.built and again.forward.compiled is not None and len(builds) == 1
+    assert_same_greedy_tokens(again, eager, SINGLE)
 
 
-def test_an_engine_with_compile_builds_both_graphs_while_starting(tiny_model_folder, tiny_llm):
+def test_an_engine_with_compile_gives_eager_tokens_and_a_later_start_never_imports_the_compiler(tiny_model_folder, tiny_llm, builds, tmp_path):
     from tokenloop import LLM
 
     llm = LLM(tiny_model_folder, dtype="float32", device="cpu", kv_cache_gb=0.01, compile=True)
-    assert llm.llm_engine.runner.forward.compiled is not None
-    assert not llm.llm_engine.requests and llm.llm_engine.block_manager.num_used_blocks == 0  # the warm-up left nothing
-    assert llm.llm_engine.runner.forward.guards_frozen  # only the guards that tell the two graphs apart run now
+    assert llm.llm_engine.runner.forward.compiled is not None and len(builds) == 1
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = ["Hello world", "The quick brown fox", "def main():"]
-    graphs = torch._dynamo.utils.counters["stats"]
-    before = graphs["unique_graphs"]
     batch = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     single = llm.generate(prompts[1], params, use_tqdm=False)[0].outputs[0].token_ids
-    assert graphs["unique_graphs"] == before  # one sequence and a batch: both built while starting
     eager = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, params, use_tqdm=False)]
     assert batch == eager and single == eager[1]
+
+    # A fresh process with the package cached: it loads the package and runs it, without torch's compiler.
+    script = f"""
+import sys
+from tokenloop import LLM, SamplingParams
+llm = LLM({str(tiny_model_folder)!r}, dtype="float32", device="cpu", kv_cache_gb=0.01, compile=True)
+forward = llm.llm_engine.runner.forward
+out = llm.generate({prompts[1]!r}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+print(forward.built, forward.compiled is not None, "torch._dynamo" in sys.modules, "torch._inductor" in sys.modules)
+print(out[0].outputs[0].token_ids)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env={**__import__("os").environ, "TOKENLOOP_HOME": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    flags, tokens = proc.stdout.strip().splitlines()[-2:]
+    assert flags == "False True False False"  # loaded, not built; compiled; dynamo and inductor never imported
+    assert tokens == str(single)

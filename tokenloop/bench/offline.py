@@ -60,7 +60,7 @@ def _bench_tokenloop(cfg: BenchConfig) -> EngineResult:
     llm = LLM(cfg.model, dtype=cfg.dtype, enable_prefix_caching=False, compile=cfg.compile)
     engine, tok = llm.llm_engine, llm.get_tokenizer()
     greedy = SamplingParams(temperature=0, max_tokens=cfg.decode_tokens, ignore_eos=True)
-    llm.generate("warm up", SamplingParams(max_tokens=4), use_tqdm=False)  # compiled graphs were built by LLM()
+    llm.generate("warm up", SamplingParams(max_tokens=4), use_tqdm=False)
 
     def timed(prompt_ids: list[int], params: SamplingParams) -> StreamStats:
         stats = StreamStats()
@@ -136,6 +136,16 @@ def _bench_transformers(cfg: BenchConfig) -> EngineResult:
     return EngineResult("transformers", (cfg.decode_tokens - 1) / decode_s, cfg.prefill_tokens / ttft, ttft * 1e3, weight_bytes=weight_bytes)
 
 
+def build_compiled_package(model: str, dtype: str, threads: int | None = None) -> None:
+    """Start tokenloop once with `compile`, in a process of its own, so that its decode package is in the cache
+    before a measured run: the first start of a model compiles it (minutes, and the compiler's memory); every
+    later start loads it, and that is what the tables measure. `threads`: as the measured run sets them
+    (None: torch's default), since the package is compiled for a thread count."""
+    threads_line = "" if threads is None else f"torch.set_num_threads({threads}); "
+    script = f"import torch; {threads_line}from tokenloop import LLM; LLM({model!r}, dtype={dtype!r}, compile=True)"
+    subprocess.run([sys.executable, "-c", script], check=True)
+
+
 def run_engine(engine: str, cfg: BenchConfig) -> EngineResult:
     """Run one engine in a fresh subprocess; its peak RSS is read there."""
     cmd = [sys.executable, "-m", "tokenloop.bench.offline", engine, json.dumps(asdict(cfg))]
@@ -199,6 +209,8 @@ def main_from_args(args: argparse.Namespace) -> int:
 
     cfg = BenchConfig(str(resolve(args.model)), args.dtype, args.compile, args.threads, args.decode_tokens, args.prefill_tokens)
     engines = ["tokenloop"] + [e for e in args.engines.split(",") if e in ENGINES and e != "tokenloop"]
+    if cfg.compile:
+        build_compiled_package(cfg.model, cfg.dtype, cfg.threads)
     results = [run_engine(e, cfg) for e in engines]
     print(format_table(results, cfg, memory_bandwidth_gbs()))
     return 0

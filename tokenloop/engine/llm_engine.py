@@ -39,8 +39,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # tokens in one step at most (decodes plus prefill chunks)
     max_model_len: int | None = None  # context length; None = the model's own
     enable_prefix_caching: bool = True
-    # Decode steps run as one torch.compile graph (engine/compiled_decode.py). The first start compiles
-    # (minutes on a small CPU); later starts reuse the code cached under $TOKENLOOP_HOME/inductor.
+    # Decode steps run as one compiled C++ call (engine/compiled_decode.py). The first start compiles
+    # (minutes on a small CPU); later starts load the package cached under $TOKENLOOP_HOME/compiled.
     compile: bool = False
 
     def __post_init__(self) -> None:
@@ -88,20 +88,6 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self._by_seq: dict[str, tuple[RequestState, CompletionState]] = {}  # running completions by sequence id
         self._ids = itertools.count()
-        if config.compile:
-            self.warm_up()
-
-    def warm_up(self) -> None:
-        """Build (or load from the cache) the compiled decode graphs while starting, not on the first requests:
-        one request, then two at once, two greedy tokens each. Nothing of them stays behind."""
-        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-        for num_requests in (1, 2):
-            for i in range(num_requests):
-                self.add_request({"prompt_token_ids": [i + 1, i + 2]}, params)
-            while self.has_unfinished_requests():
-                self.step()
-        self.block_manager.prefix_queried_tokens = self.block_manager.prefix_hit_tokens = 0
-        self.runner.forward.freeze_guards()
 
     def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -74,10 +74,11 @@ class ModelRunner:
         compile: bool = False,
     ) -> None:
         self.model, self.config, self.block_size, self.device = model, config, block_size, device
-        self.forward = DecodeForward(model, compile)
         shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
-        for attn in model.attention_layers():
+        layers = model.attention_layers()
+        for attn in layers:
             attn.bind_cache(zeroed_pool(shape, kv_dtype, device), zeroed_pool(shape, kv_dtype, device))
+        self.forward = DecodeForward(model, [attn.k_cache for attn in layers], [attn.v_cache for attn in layers], compile)
         self.sampler = Sampler()
 
     def prepare(self, batch: ScheduledBatch) -> ModelInput:
