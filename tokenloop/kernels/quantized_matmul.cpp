@@ -18,7 +18,6 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -47,6 +46,34 @@ struct Activations {
   int64_t k, groups;
 };
 
+// One block of 32: q = round-half-even(v * 127 / amax) (the rounding of std::nearbyint, vectorized), scale
+// amax / 127, and scale * sum(q). Eight lanes at a time: done one value at a time, this was a fifth of the
+// kernel's time at 32 rows.
+inline void quantize_block(const float* v, int8_t* q, float* scale, float* sum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 x[4];
+  __m256 amax8 = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    x[i] = _mm256_loadu_ps(v + 8 * i);
+    amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, x[i]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  __m256i i[4];
+  for (int j = 0; j < 4; ++j) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(x[j], inv));  // rounds to nearest even
+  // Packing works within 128-bit lanes; the permutation puts the 32 bytes back in order.
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m256i total8 = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+  __m128i total4 = _mm_add_epi32(_mm256_castsi256_si128(total8), _mm256_extracti128_si256(total8, 1));
+  total4 = _mm_add_epi32(total4, _mm_shuffle_epi32(total4, _MM_SHUFFLE(1, 0, 3, 2)));
+  total4 = _mm_add_epi32(total4, _mm_shuffle_epi32(total4, _MM_SHUFFLE(2, 3, 0, 1)));
+  *scale = amax / 127.f;
+  *sum = *scale * static_cast<float>(_mm_cvtsi128_si32(total4));
+}
+
 Activations quantize_rows(const at::Tensor& x) {
   const int64_t m = x.size(0), k = x.size(1), groups = k / kBlock;
   thread_local std::vector<int8_t> q_buffer;
@@ -58,20 +85,7 @@ Activations quantize_rows(const at::Tensor& x) {
   float* sp = scale_buffer.data();
   float* up = sp + m * groups;
   at::parallel_for(0, m * groups, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const float* v = xp + b * kBlock;
-      float amax = 0.f;
-      for (int j = 0; j < kBlock; ++j) amax = std::fmax(amax, std::fabs(v[j]));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int sum = 0;
-      for (int j = 0; j < kBlock; ++j) {
-        const int q = static_cast<int>(std::nearbyint(v[j] * inv));
-        qp[b * kBlock + j] = static_cast<int8_t>(q);
-        sum += q;
-      }
-      sp[b] = amax / 127.f;
-      up[b] = sp[b] * static_cast<float>(sum);
-    }
+    for (int64_t b = begin; b < end; ++b) quantize_block(xp + b * kBlock, qp + b * kBlock, sp + b, up + b);
   });
   return {qp, sp, up, k, groups};
 }
