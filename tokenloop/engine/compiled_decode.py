@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tokenloop.models.attention import AttentionMetadata
+from tokenloop.models.attention import AttentionGroup, AttentionMetadata
 from tokenloop.models.store import tokenloop_home
 
 PACKAGE_SOURCES = [*Path(__file__).parent.parent.glob("models/*.py"), *Path(__file__).parent.parent.glob("kernels/*.cpp"), Path(__file__)]
@@ -47,7 +47,8 @@ class DecodeStep(nn.Module):
         try:
             for attn, k, v in zip(layers, k_caches, v_caches):
                 attn.k_cache, attn.v_cache = k, v
-            return self.model(input_ids, positions, AttentionMetadata(slot_mapping, query_index, output_index, key_slots, mask))
+            group = AttentionGroup(query_index, output_index, key_slots, mask, token_rows=None)
+            return self.model(input_ids, positions, AttentionMetadata(slot_mapping, [group]))
         finally:
             for attn, (k, v) in zip(layers, bound):
                 attn.k_cache, attn.v_cache = k, v
@@ -141,6 +142,7 @@ class DecodeForward:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, decode_only: bool) -> torch.Tensor:
         if self.compiled is not None and decode_only:
-            inputs = [input_ids, positions, meta.slot_mapping, meta.query_index, meta.output_index, meta.key_slots, meta.mask]
+            (group,) = meta.groups  # a decode-only batch is one group
+            inputs = [input_ids, positions, meta.slot_mapping, group.query_index, group.output_index, group.key_slots, group.mask]
             return self.compiled.run(inputs + self.caches)[0]
         return self.model(input_ids, positions, meta)

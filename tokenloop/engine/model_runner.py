@@ -15,7 +15,7 @@ from torch import nn
 
 from tokenloop.engine.compiled_decode import DecodeForward
 from tokenloop.engine.scheduler import ScheduledBatch
-from tokenloop.models.attention import AttentionMetadata
+from tokenloop.models.attention import AttentionGroup, AttentionMetadata
 from tokenloop.models.config import ModelConfig
 from tokenloop.sampling.sampler import Sampler, SamplerOutput, SamplingBatch
 
@@ -89,10 +89,38 @@ class ModelRunner:
         input_ids = [t for seq, s, n in zip(batch.seqs, starts_list, batch.num_new_tokens) for t in seq.token_ids[s : s + n]]
         starts = np.array(starts_list, dtype=np.int64)  # [B]
         lens = np.array(batch.num_new_tokens, dtype=np.int64)  # [B]
-        num_q, num_k = int(lens.max()), int((starts + lens).max())
+        ends = lens.cumsum()
         max_blocks = max(len(seq.block_table) for seq in batch.seqs)
         block_tables = np.array([seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in batch.seqs], dtype=np.int64)
+        seq_of_token = np.repeat(np.arange(len(lens)), lens)  # [T]
+        positions = np.arange(len(seq_of_token)) - (ends - lens)[seq_of_token] + starts[seq_of_token]  # [T]
+        slot_mapping = block_tables[seq_of_token, positions // bs] * bs + positions % bs
 
+        # Decodes (one new token) and prefill chunks attend in separate groups: padded to one [B, Q] batch, each
+        # decode would be computed for as many query rows as the longest chunk has.
+        decodes = lens == 1
+        parts = [np.flatnonzero(decodes), np.flatnonzero(~decodes)] if decodes.any() and not decodes.all() else [np.arange(len(lens))]
+        device = self.device
+        groups = []
+        for part in parts:
+            group = self._attention_group(starts[part], lens[part], (ends - lens)[part], block_tables[part], whole_batch=len(parts) == 1)
+            groups.append(AttentionGroup(*(None if a is None else _to_device(a, device) for a in group)))
+        sample_seq_indices = [i for i, (seq, s, n) in enumerate(zip(batch.seqs, starts_list, batch.num_new_tokens)) if s + n == seq.num_tokens]
+        return ModelInput(
+            input_ids=_to_device(np.array(input_ids, dtype=np.int64), device),
+            positions=_to_device(positions, device),
+            meta=AttentionMetadata(_to_device(slot_mapping, device), groups),
+            sample_rows=_to_device((ends - 1)[sample_seq_indices], device),
+            sample_seq_indices=sample_seq_indices,
+            # The compiled package takes contexts of two tokens or more: a one-token prompt's first step runs eager.
+            decode_only=bool(decodes.all()) and int((starts + lens).max()) > 1,
+        )
+
+    def _attention_group(self, starts: np.ndarray, lens: np.ndarray, first_rows: np.ndarray, block_tables: np.ndarray, whole_batch: bool):
+        """AttentionGroup's arrays for some sequences of the batch: their first computed positions, new-token
+        counts, flat rows of their first new token, and block tables."""
+        bs = self.block_size
+        num_q, num_k = int(lens.max()), int((starts + lens).max())
         q_offsets = np.arange(num_q, dtype=np.int64)
         q_pos = starts[:, None] + q_offsets[None, :]  # [B, Q]
         q_valid = q_offsets[None, :] < lens[:, None]  # [B, Q]
@@ -101,29 +129,16 @@ class ModelRunner:
         mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, Q, K] causal; padding queries still see key 0 (no NaN)
         if self.config.sliding_window is not None:
             mask &= k_pos[None, None, :] > q_pos[:, :, None] - self.config.sliding_window
-        ends = lens.cumsum()
         # One prompt from its first token: the mask is plain causal, which SDPA applies without reading a
         # mask and skipping the blocks above the diagonal (~40% less attention time in a long prefill).
-        plain_causal = len(batch.seqs) == 1 and starts_list[0] == 0 and num_q > 1 and self.config.sliding_window is None
-        query_index = np.where(q_valid, (ends - lens)[:, None] + q_offsets[None, :], 0)
-        slot_mapping = np.take_along_axis(key_slots, np.minimum(q_pos, num_k - 1), axis=1)[q_valid]
-        device = self.device
-        meta = AttentionMetadata(
-            slot_mapping=_to_device(slot_mapping, device),
-            query_index=_to_device(query_index, device),
-            output_index=_to_device(np.flatnonzero(q_valid), device),
-            key_slots=_to_device(key_slots, device),
-            mask=None if plain_causal else _to_device(mask.reshape(len(batch.seqs), 1, num_q, num_k), device),
-        )
-        sample_seq_indices = [i for i, (seq, s, n) in enumerate(zip(batch.seqs, starts_list, batch.num_new_tokens)) if s + n == seq.num_tokens]
-        return ModelInput(
-            input_ids=_to_device(np.array(input_ids, dtype=np.int64), device),
-            positions=_to_device(q_pos[q_valid], device),
-            meta=meta,
-            sample_rows=_to_device((ends - 1)[sample_seq_indices], device),
-            sample_seq_indices=sample_seq_indices,
-            # A one-token prompt's first step has a context of 1, a size dynamo would specialize on: eager.
-            decode_only=num_q == 1 and num_k > 1,
+        plain_causal = whole_batch and len(lens) == 1 and starts[0] == 0 and num_q > 1 and self.config.sliding_window is None
+        query_index = np.where(q_valid, first_rows[:, None] + q_offsets[None, :], 0)
+        return (
+            query_index,
+            np.flatnonzero(q_valid),
+            key_slots,
+            None if plain_causal else mask.reshape(len(lens), 1, num_q, num_k),
+            None if whole_batch else query_index[q_valid],
         )
 
     @torch.inference_mode()

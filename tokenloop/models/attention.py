@@ -16,19 +16,27 @@ from tokenloop import kernels
 
 
 @dataclass(slots=True)
-class AttentionMetadata:
-    """Where a batch's new tokens sit in the KV cache; built by the model runner, read by every layer.
+class AttentionGroup:
+    """Sequences of a batch that attend together, padded to one [B, Q] batch of queries: B sequences, Q = most
+    new tokens of one, K = longest context."""
 
-    B sequences, T new tokens in all, Q = most new tokens of one sequence, K = longest context.
-    """
-
-    slot_mapping: torch.Tensor  # [T] int64: the cache slot each new token's K/V is written to
-    query_index: torch.Tensor  # [B, Q] int64: row of each sequence's new tokens in the flat batch (padding → 0)
-    output_index: torch.Tensor  # [T] int64: position of each flat token in the padded [B * Q] output
+    query_index: torch.Tensor  # [B, Q] int64: flat row of each sequence's new tokens (padding → 0)
+    output_index: torch.Tensor  # [T_g] int64: position of each of the group's tokens in the padded [B * Q] output
     key_slots: torch.Tensor  # [B, K] int64: cache slots of each sequence's context, in position order (padding → 0)
     # [B, 1, Q, K] bool: True where a query may attend a key (causal, in-context, in-window); None when the
-    # batch is one sequence from position 0 (Q = K), whose mask is plain causal.
+    # group is one sequence from position 0 (Q = K), whose mask is plain causal.
     mask: torch.Tensor | None
+    token_rows: torch.Tensor | None  # [T_g] int64: flat rows of the group's tokens, in order; None: all T rows
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where a batch's new tokens sit in the KV cache and what they attend; built by the model runner, read
+    by every layer. T new tokens of several sequences, flattened."""
+
+    slot_mapping: torch.Tensor  # [T] int64: the cache slot each new token's K/V is written to
+    # One group; in a step that mixes decodes with prefill chunks, the decodes then the chunks.
+    groups: list[AttentionGroup]
 
 
 class KVCacheAttention(nn.Module):
@@ -53,16 +61,26 @@ class KVCacheAttention(nn.Module):
         # q: (T, num_heads, head_dim); k, v: (T, num_kv_heads, head_dim)
         self.k_cache.index_copy_(0, meta.slot_mapping, k.to(self.k_cache.dtype))
         self.v_cache.index_copy_(0, meta.slot_mapping, v.to(self.v_cache.dtype))
-        if self.cpu_kernel and meta.mask is not None and meta.query_index.shape[1] == 1:  # decode: T = B, one query each
-            mask = meta.mask.view(meta.key_slots.shape)
-            out = torch.ops.tokenloop.paged_decode_attention(q.float().contiguous(), self.k_cache, self.v_cache, meta.key_slots, mask, self.scale)
-            return out.view(q.shape[0], -1).to(q.dtype)
-        keys = self.k_cache[meta.key_slots].to(q.dtype).transpose(1, 2)  # (B, num_kv_heads, K, head_dim)
-        values = self.v_cache[meta.key_slots].to(q.dtype).transpose(1, 2)
-        queries = q[meta.query_index].transpose(1, 2)  # (B, num_heads, Q, head_dim)
+        if len(meta.groups) == 1:
+            return self._attend(q, meta.groups[0])
+        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
+        for group in meta.groups:
+            out.index_copy_(0, group.token_rows, self._attend(q, group))
+        return out
+
+    def _attend(self, q: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+        """The group's tokens' attention outputs, (T_g, hidden), in the order of their flat rows."""
+        if self.cpu_kernel and group.mask is not None and group.query_index.shape[1] == 1:  # decodes: one query each
+            rows = q if group.token_rows is None else q[group.token_rows]
+            mask = group.mask.view(group.key_slots.shape)
+            out = torch.ops.tokenloop.paged_decode_attention(rows.float().contiguous(), self.k_cache, self.v_cache, group.key_slots, mask, self.scale)
+            return out.view(rows.shape[0], -1).to(q.dtype)
+        keys = self.k_cache[group.key_slots].to(q.dtype).transpose(1, 2)  # (B, num_kv_heads, K, head_dim)
+        values = self.v_cache[group.key_slots].to(q.dtype).transpose(1, 2)
+        queries = q[group.query_index].transpose(1, 2)  # (B, num_heads, Q, head_dim)
         out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=meta.mask, is_causal=meta.mask is None, scale=self.scale,
+            queries, keys, values, attn_mask=group.mask, is_causal=group.mask is None, scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )  # (B, num_heads, Q, head_dim)
         out = out.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)  # (B * Q, hidden)
-        return out[meta.output_index]  # (T, hidden)
+        return out[group.output_index]  # (T_g, hidden)

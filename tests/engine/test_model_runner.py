@@ -1,0 +1,31 @@
+"""The model runner's step input: a step that mixes decodes with a prefill chunk attends in two groups."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenloop.engine.model_runner import ModelRunner
+from tokenloop.engine.scheduler import ScheduledBatch
+from tokenloop.engine.sequence import Sequence
+from tokenloop.models.loader import load_model
+from tokenloop.sampling.params import SamplingParams
+
+
+def test_decodes_and_a_prefill_chunk_attend_in_separate_groups_decodes_first(tiny_model_folder):
+    loaded = load_model(tiny_model_folder, torch.float32, torch.device("cpu"), load_tokenizer=False)
+    runner = ModelRunner(loaded.model, loaded.config, num_blocks=8, block_size=4, kv_dtype=torch.float32, device=torch.device("cpu"))
+    decoding = Sequence("a", [5, 6, 7, 8, 9, 10], 5, SamplingParams(), num_computed_tokens=5, block_table=[0, 1])
+    prompt = Sequence("b", [11, 12, 13, 14, 15], 5, SamplingParams(), num_computed_tokens=1, block_table=[2, 3])
+    other = Sequence("c", [1, 2, 3], 2, SamplingParams(), num_computed_tokens=2, block_table=[4])
+    inp = runner.prepare(ScheduledBatch([decoding, prompt, other], [1, 4, 1]))
+
+    assert not inp.decode_only
+    assert inp.positions.tolist() == [5, 1, 2, 3, 4, 2]
+    assert inp.meta.slot_mapping.tolist() == [5, 9, 10, 11, 12, 18]
+    decodes, chunk = inp.meta.groups
+    assert decodes.token_rows.tolist() == [0, 5] and decodes.query_index.tolist() == [[0], [5]]
+    assert decodes.key_slots.tolist() == [[0, 1, 2, 3, 4, 5], [16, 17, 18, 19, 0, 1]]  # past its context: masked
+    assert decodes.mask[:, 0, 0].tolist() == [[True] * 6, [True] * 3 + [False] * 3]
+    assert chunk.token_rows.tolist() == [1, 2, 3, 4] and chunk.query_index.tolist() == [[1, 2, 3, 4]]
+    assert chunk.mask[0, 0].tolist() == [[j <= i for j in range(5)] for i in range(1, 5)]
+    assert inp.sample_seq_indices == [0, 1, 2] and inp.sample_rows.tolist() == [0, 4, 5]
