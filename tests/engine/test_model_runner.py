@@ -28,4 +28,10 @@ def test_decodes_and_a_prefill_chunk_attend_in_separate_groups_decodes_first(tin
     assert decodes.mask[:, 0, 0].tolist() == [[True] * 6, [True] * 3 + [False] * 3]
     assert chunk.token_rows.tolist() == [1, 2, 3, 4] and chunk.query_index.tolist() == [[1, 2, 3, 4]]
     assert chunk.mask[0, 0].tolist() == [[j <= i for j in range(5)] for i in range(1, 5)]
+    assert chunk.key_slots.tolist() == [[8, 9, 10, 11, 12]]
     assert inp.sample_seq_indices == [0, 1, 2] and inp.sample_rows.tolist() == [0, 4, 5]
+
+    # A prompt from its first token beside a decode: its group's mask is plain causal (None, for SDPA's is_causal).
+    fresh = Sequence("d", [20, 21, 22], 3, SamplingParams(), block_table=[5])
+    _, chunk = runner.prepare(ScheduledBatch([other, fresh], [1, 3])).meta.groups
+    assert chunk.mask is None and chunk.token_rows.tolist() == [1, 2, 3] and chunk.key_slots.tolist() == [[20, 21, 22]]

@@ -117,8 +117,8 @@ class ModelRunner:
         )
 
     def _attention_group(self, starts: np.ndarray, lens: np.ndarray, first_rows: np.ndarray, block_tables: np.ndarray, whole_batch: bool):
-        """AttentionGroup's arrays for some sequences of the batch: their first computed positions, new-token
-        counts, flat rows of their first new token, and block tables."""
+        """AttentionGroup's arrays for some sequences of the batch (all of them: `whole_batch`): their first
+        computed positions, new-token counts, flat rows of their first new token, and block tables."""
         bs = self.block_size
         num_q, num_k = int(lens.max()), int((starts + lens).max())
         q_offsets = np.arange(num_q, dtype=np.int64)
@@ -131,7 +131,7 @@ class ModelRunner:
             mask &= k_pos[None, None, :] > q_pos[:, :, None] - self.config.sliding_window
         # One prompt from its first token: the mask is plain causal, which SDPA applies without reading a
         # mask and skipping the blocks above the diagonal (~40% less attention time in a long prefill).
-        plain_causal = whole_batch and len(lens) == 1 and starts[0] == 0 and num_q > 1 and self.config.sliding_window is None
+        plain_causal = len(lens) == 1 and starts[0] == 0 and num_q > 1 and self.config.sliding_window is None
         query_index = np.where(q_valid, first_rows[:, None] + q_offsets[None, :], 0)
         return (
             query_index,
