@@ -200,6 +200,14 @@ void check_activations(const at::Tensor& x) {
   TORCH_CHECK(x.size(1) % kBlock == 0, "K must be a multiple of 32, got ", x.size(1));
 }
 
+// weight [N / 8, K / 32, group_bytes] of `type` for activations x [M, K].
+void check_weight(const at::Tensor& weight, const at::Tensor& x, at::ScalarType type, const char* type_name, int64_t group_bytes) {
+  TORCH_CHECK(weight.scalar_type() == type && weight.is_contiguous() && weight.dim() == 3, "weight must be a contiguous ", type_name,
+              " [N / 8, K / 32, ", group_bytes, "] tensor");
+  TORCH_CHECK(weight.size(1) == x.size(1) / kBlock && weight.size(2) == group_bytes, "weight must be [N / 8, K / 32, ", group_bytes,
+              "] for K = ", x.size(1), ", got ", weight.sizes());
+}
+
 void check_halves(const at::Tensor& t, at::IntArrayRef shape, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous(), name, " must be contiguous float16");
   TORCH_CHECK(t.sizes() == shape, name, " must have shape ", shape, ", got ", t.sizes());
@@ -208,9 +216,7 @@ void check_halves(const at::Tensor& t, at::IntArrayRef shape, const char* name) 
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& offset) {
   check_activations(x);
   const int64_t groups = x.size(1) / kBlock;
-  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous() && weight.dim() == 3, "weight must be a contiguous uint8 [N / 8, K / 32, 128] tensor");
-  TORCH_CHECK(weight.size(1) == groups && weight.size(2) == kQ4GroupBytes, "weight must be [N / 8, K / 32, 128] for K = ", x.size(1),
-              ", got ", weight.sizes());
+  check_weight(weight, x, at::kByte, "uint8", kQ4GroupBytes);
   check_halves(scale, {weight.size(0), groups, 8}, "scales");
   check_halves(offset, {weight.size(0), groups, 8}, "offsets");
   at::Tensor y = at::empty({x.size(0), weight.size(0) * 8}, x.options());
@@ -225,9 +231,7 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Te
 at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
   check_activations(x);
   const int64_t groups = x.size(1) / kBlock;
-  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous() && weight.dim() == 3, "weight must be a contiguous int8 [N / 8, K / 32, 256] tensor");
-  TORCH_CHECK(weight.size(1) == groups && weight.size(2) == kQ8GroupBytes, "weight must be [N / 8, K / 32, 256] for K = ", x.size(1),
-              ", got ", weight.sizes());
+  check_weight(weight, x, at::kChar, "int8", kQ8GroupBytes);
   check_halves(scale, {weight.size(0), groups, 8}, "scales");
   at::Tensor y = at::empty({x.size(0), weight.size(0) * 8}, x.options());
   const int8_t* w = weight.data_ptr<int8_t>();
