@@ -66,12 +66,18 @@ def example_inputs(input_ids: torch.Tensor, caches: list[torch.Tensor]) -> tuple
     )
 
 
+def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by every name it has: a tied head's names too, and non-persistent buffers
+    (the rotary tables), which state_dict leaves out. The package refers to its constants by these names."""
+    return dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+
+
 def package_key(model: nn.Module, caches: list[torch.Tensor]) -> str:
     """What the compiled code depends on: the model's structure and config, every tensor's dtype and shape,
     which kernels it calls, the caches' dtype and device, the thread count (inductor fixes it in the code),
     and the sources of torch and of tokenloop's model code."""
     parts = [str(model), repr(getattr(model, "config", None)), torch.__version__, str(torch.get_num_threads())]
-    parts += [f"{name}:{t.dtype}:{tuple(t.shape)}:{t.device.type}" for name, t in model.state_dict(keep_vars=True).items()]
+    parts += [f"{name}:{t.dtype}:{tuple(t.shape)}:{t.device.type}" for name, t in named_tensors(model).items()]
     parts += [f"{name}:{getattr(m, 'cpu_kernel', None)}" for name, m in model.named_modules()]
     parts += [f"{caches[0].dtype}:{caches[0].device.type}:{tuple(caches[0].shape[1:])}"]
     digest = hashlib.sha256("\n".join(parts).encode())
@@ -134,8 +140,7 @@ class DecodeForward:
             self.built = True
         device = self.caches[0].device
         loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1 if device.index is None else device.index)
-        tensors = {f"model.{name}": t.data for name, t in self.model.state_dict(keep_vars=True).items()}
-        tensors |= {f"model.{name}": t.data for name, t in self.model.named_buffers()}  # non-persistent ones too
+        tensors = {f"model.{name}": t.data for name, t in named_tensors(self.model).items()}
         # user_managed: the package reads these tensors where they are, without copying them.
         loader.load_constants({name: tensors[name] for name in loader.get_constant_fqns()}, False, True, True)
         return loader
