@@ -79,7 +79,8 @@ def package_key(model: nn.Module, caches: list[torch.Tensor]) -> str:
     parts = [str(model), repr(getattr(model, "config", None)), torch.__version__, str(torch.get_num_threads())]
     parts += [f"{name}:{t.dtype}:{tuple(t.shape)}:{t.device.type}" for name, t in named_tensors(model).items()]
     parts += [f"{name}:{getattr(m, 'cpu_kernel', None)}" for name, m in model.named_modules()]
-    parts += [f"{caches[0].dtype}:{caches[0].device.type}:{tuple(caches[0].shape[1:])}"]
+    kv_heads, _, head_dim = caches[0].shape  # [kv_heads, slots, head_dim]: the slot count is dynamic
+    parts += [f"{caches[0].dtype}:{caches[0].device.type}:{kv_heads}:{head_dim}"]
     digest = hashlib.sha256("\n".join(parts).encode())
     for path in sorted(PACKAGE_SOURCES):
         digest.update(path.read_bytes())
@@ -96,7 +97,7 @@ def build_package(model: nn.Module, caches: list[torch.Tensor], target: Path) ->
     num_layers = len(caches) // 2
     dynamic_shapes = (
         {0: batch}, {0: batch}, {0: batch}, {0: batch}, {0: batch}, {0: batch, 1: context}, {0: batch, 3: context},
-        [{0: slots}] * num_layers, [{0: slots}] * num_layers,
+        [{1: slots}] * num_layers, [{1: slots}] * num_layers,
     )
     with torch.no_grad():
         program = torch.export.export(DecodeStep(model), example_inputs(torch.zeros(1, dtype=torch.int64), caches), dynamic_shapes=dynamic_shapes, strict=False)

@@ -1,7 +1,9 @@
 """Model runner: the only place tensors are built. Owns the KV cache, runs the forward pass, samples.
 
-The KV cache is one preallocated pool per layer, [num_blocks * block_size, kv_heads, head_dim], written in place.
+The KV cache is one preallocated pool per layer, [kv_heads, num_blocks * block_size, head_dim], written in place.
 A token at position p of a sequence lives in slot block_table[p // block_size] * block_size + p % block_size.
+Heads first: one head's rows of a block are contiguous, which is what decode attention reads (one KV head of
+one sequence at a time).
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class ModelRunner:
         compile: bool = False,
     ) -> None:
         self.model, self.config, self.block_size, self.device = model, config, block_size, device
-        shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
+        shape = (config.num_kv_heads, num_blocks * block_size, config.head_dim)
         layers = model.attention_layers()
         for attn in layers:
             attn.bind_cache(zeroed_pool(shape, kv_dtype, device), zeroed_pool(shape, kv_dtype, device))

@@ -51,7 +51,7 @@ class KVCacheAttention(nn.Module):
         self.cpu_kernel = False
 
     def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        """The model runner's pools, [num_slots, num_kv_heads, head_dim] each, updated in place. Their dtype may
+        """The model runner's pools, [num_kv_heads, num_slots, head_dim] each, updated in place. Their dtype may
         be narrower than the activations' (float16 on the fast path), converted on the way in and out. Decode
         reads them through tokenloop's CPU kernel where it can run, instead of gathering a dense copy."""
         self.k_cache, self.v_cache = k_cache, v_cache
@@ -59,8 +59,8 @@ class KVCacheAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q: (T, num_heads, head_dim); k, v: (T, num_kv_heads, head_dim)
-        self.k_cache.index_copy_(0, meta.slot_mapping, k.to(self.k_cache.dtype))
-        self.v_cache.index_copy_(0, meta.slot_mapping, v.to(self.v_cache.dtype))
+        self.k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(self.k_cache.dtype))
+        self.v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(self.v_cache.dtype))
         if len(meta.groups) == 1:
             return self._attend(q, meta.groups[0])
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
@@ -75,8 +75,8 @@ class KVCacheAttention(nn.Module):
             mask = group.mask.view(group.key_slots.shape)
             out = torch.ops.tokenloop.paged_decode_attention(rows.float().contiguous(), self.k_cache, self.v_cache, group.key_slots, mask, self.scale)
             return out.view(rows.shape[0], -1).to(q.dtype)
-        keys = self.k_cache[group.key_slots].to(q.dtype).transpose(1, 2)  # (B, num_kv_heads, K, head_dim)
-        values = self.v_cache[group.key_slots].to(q.dtype).transpose(1, 2)
+        keys = self.k_cache[:, group.key_slots].to(q.dtype).transpose(0, 1)  # (B, num_kv_heads, K, head_dim)
+        values = self.v_cache[:, group.key_slots].to(q.dtype).transpose(0, 1)
         queries = q[group.query_index].transpose(1, 2)  # (B, num_heads, Q, head_dim)
         out = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=group.mask, is_causal=group.mask is None, scale=self.scale,
