@@ -9,6 +9,7 @@ one sequence at a time).
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,11 +28,13 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 
 
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled KV pool. On the CPU it comes from calloc, whose pages stay unmapped (and out of the
-    resident memory) until a token is written there: a pool sized for the worst case costs what it holds."""
+    """A zero-filled KV pool. On the CPU it is an anonymous memory map, whose pages stay unmapped (and out of
+    the resident memory) until a token is written there: a pool sized for the worst case costs what it holds.
+    Not numpy's or torch's allocation: they ask the kernel for 2 MiB pages, so each first token written into
+    a region would make 2 MiB resident (hundreds of MiB over 60 pools of 3 heads)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.from_numpy(np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8)).view(dtype).view(shape)
+    return torch.frombuffer(mmap.mmap(-1, math.prod(shape) * dtype.itemsize), dtype=torch.uint8).view(dtype).view(shape)
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
