@@ -86,28 +86,33 @@ void score_keys(const float* q, const T* const* keys, int64_t n, int64_t head_di
   }
 }
 
-// out[g] = sum_j p[g][j] * values[j] for kHeads heads, kVectors * 8 output lanes at a time in registers; each
-// value vector is loaded once for all heads.
+// out[g][d0 .. d0 + 8 kVectors) = sum_j p[g][j] * values[j][same lanes] for kHeads heads, the sums in registers
+// (all sizes known at compile time: a runtime bound made gcc keep them on the stack); each value vector is
+// loaded once for all heads. `prefetch`: ask for rows ahead (the first lanes' pass reads them from memory).
+template <int kHeads, int kVectors, typename T>
+void weigh_value_lanes(const float* p, const T* const* values, int64_t n, int64_t head_dim, int64_t d0, bool prefetch, float* out) {
+  __m256 acc[kHeads][kVectors];
+  for (int g = 0; g < kHeads; ++g)
+    for (int v = 0; v < kVectors; ++v) acc[g][v] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    if (prefetch) prefetch_row(values[std::min<int64_t>(j + kPrefetchKeys, n - 1)], head_dim);
+    __m256 pj[kHeads];
+    for (int g = 0; g < kHeads; ++g) pj[g] = _mm256_set1_ps(p[g * n + j]);
+    for (int v = 0; v < kVectors; ++v) {
+      const __m256 x = load8(values[j] + d0 + 8 * v);
+      for (int g = 0; g < kHeads; ++g) acc[g][v] = _mm256_fmadd_ps(pj[g], x, acc[g][v]);
+    }
+  }
+  for (int g = 0; g < kHeads; ++g)
+    for (int v = 0; v < kVectors; ++v) _mm256_storeu_ps(out + g * head_dim + d0 + 8 * v, acc[g][v]);
+}
+
+// out[g] = sum_j p[g][j] * values[j] for kHeads heads: 32 lanes at a time, then 8.
 template <int kHeads, typename T>
 void weigh_values(const float* p, const T* const* values, int64_t n, int64_t head_dim, float* out) {
-  constexpr int kVectors = kHeads == 1 ? 8 : 12 / kHeads;
-  for (int64_t d0 = 0; d0 < head_dim; d0 += 8 * kVectors) {
-    const int vectors = static_cast<int>(std::min<int64_t>(kVectors, (head_dim - d0) / 8));
-    __m256 acc[kHeads][kVectors];
-    for (int g = 0; g < kHeads; ++g)
-      for (int v = 0; v < kVectors; ++v) acc[g][v] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-      if (d0 == 0) prefetch_row(values[std::min<int64_t>(j + kPrefetchKeys, n - 1)], head_dim);
-      __m256 pj[kHeads];
-      for (int g = 0; g < kHeads; ++g) pj[g] = _mm256_set1_ps(p[g * n + j]);
-      for (int v = 0; v < vectors; ++v) {
-        const __m256 x = load8(values[j] + d0 + 8 * v);
-        for (int g = 0; g < kHeads; ++g) acc[g][v] = _mm256_fmadd_ps(pj[g], x, acc[g][v]);
-      }
-    }
-    for (int g = 0; g < kHeads; ++g)
-      for (int v = 0; v < vectors; ++v) _mm256_storeu_ps(out + g * head_dim + d0 + 8 * v, acc[g][v]);
-  }
+  int64_t d0 = 0;
+  for (; d0 + 32 <= head_dim; d0 += 32) weigh_value_lanes<kHeads, 4>(p, values, n, head_dim, d0, d0 == 0, out);
+  for (; d0 < head_dim; d0 += 8) weigh_value_lanes<kHeads, 1>(p, values, n, head_dim, d0, d0 == 0, out);
 }
 
 // fn(std::integral_constant<int, h>), h = min(3, heads) for heads >= 1: query heads go through the templates
