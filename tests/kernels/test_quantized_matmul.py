@@ -78,6 +78,16 @@ def test_q8_matmul_is_the_int8_activation_product(m, k, n):
     torch.testing.assert_close(y.double(), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("m,k,n", [(1, 64, 32), (5, 160, 33), (37, 1536, 64)])
+def test_q4_swiglu_matmul_is_q4_matmul_of_silu_gate_times_up(m, k, n):
+    gen = torch.Generator().manual_seed(m * k + n + 2)
+    linear, _ = random_q4(n, k, gen)
+    gate_up = torch.randn(m, 2 * k, generator=gen) * 3
+    gate, up = gate_up.chunk(2, dim=-1)
+    fused = torch.ops.tokenloop.q4_swiglu_matmul(gate_up, linear.qweight, linear.scales, linear.offsets)
+    assert torch.equal(fused, q4_matmul(torch.nn.functional.silu(gate) * up, linear))  # the same floats as eager
+
+
 def test_bad_shapes_raise_a_clear_error():
     linear, _ = random_q4(8, 64, torch.Generator().manual_seed(0))
     packed, scale, offset = linear.qweight, linear.scales, linear.offsets
@@ -91,3 +101,5 @@ def test_bad_shapes_raise_a_clear_error():
         torch.ops.tokenloop.q4_matmul(torch.randn(1, 64), packed, scale.float(), offset)
     with pytest.raises(RuntimeError, match="offsets must have shape"):
         torch.ops.tokenloop.q4_matmul(torch.randn(1, 64), packed, scale, offset[:, :1].contiguous())
+    with pytest.raises(RuntimeError, match="K must be a multiple of 32, got 2K = 96"):
+        torch.ops.tokenloop.q4_swiglu_matmul(torch.randn(1, 96), packed, scale, offset)

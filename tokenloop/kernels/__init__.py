@@ -5,6 +5,8 @@
   converts every weight to bfloat16 and is compute-bound on it), and this product is most of a step.
 - `paged_attention.cpp` computes decode attention straight from the paged KV cache, without gathering the
   context into a dense float32 copy first.
+- `rotary_cache.cpp` rotates an eager step's queries and keys and writes its keys and values into the cache
+  in one pass (eager PyTorch makes about nine).
 
 The library is built with the C++ compiler inductor uses too, against the installed torch's headers, once
 per source/torch version (about 20 s). Where it cannot be built or run (no compiler, no AVX2, not x86), it
@@ -28,7 +30,9 @@ import torch
 from tokenloop.models.store import tokenloop_home
 
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
-CXX_FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-w"]
+# -ffp-contract=off: a * b + c stays two roundings, as in PyTorch's eager ops (gcc would fuse it into one FMA),
+# so that a kernel standing in for a chain of eager ops gives the same floats. FMAs are written out where wanted.
+CXX_FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-w"]
 
 
 @functools.cache

@@ -61,6 +61,10 @@ class KVCacheAttention(nn.Module):
         # q: (T, num_heads, head_dim); k, v: (T, num_kv_heads, head_dim)
         self.k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(self.k_cache.dtype))
         self.v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(self.v_cache.dtype))
+        return self.attend(q, meta)
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of the new tokens' queries (T, num_heads, head_dim), their K/V already in the cache."""
         if len(meta.groups) == 1:
             return self._attend(q, meta.groups[0])
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)

@@ -182,6 +182,14 @@ class Int4Linear(QuantizedModule):
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight_int4().dequantize().to(x.dtype), self.bias)
 
+    def swiglu_forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """forward(silu(gate) * up) for gate_up = [gate | up], a SwiGLU MLP's down projection, through the CPU
+        kernel (cpu_kernel must be set): it computes the product block by block as it quantizes its input,
+        instead of in two more passes over it."""
+        y = self._drop_padding(torch.ops.tokenloop.q4_swiglu_matmul(gate_up.float().contiguous(), self.qweight, self.scales, self.offsets))
+        y = y.to(gate_up.dtype)
+        return y if self.bias is None else y + self.bias
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int4 group {GROUP_SIZE}"
 

@@ -1,0 +1,52 @@
+"""tokenloop's rotary + cache-write kernel stands in for eager ops (apply_rotary, then index_copy_ into the
+cache): it must give the same floats, bit for bit, and leave v and the untouched slots alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenloop import kernels
+from tokenloop.models.layers import RotaryEmbedding, apply_rotary
+
+pytestmark = pytest.mark.skipif(kernels._unsupported_reason() is not None, reason=str(kernels._unsupported_reason()))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert kernels.cpu_kernels_available()
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens,q_heads,kv_heads,head_dim", [(37, 9, 3, 64), (5, 4, 1, 256), (1, 2, 2, 16)])
+def test_rotates_q_and_k_in_place_and_writes_k_and_v_to_their_slots(cache_dtype, tokens, q_heads, kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(tokens * head_dim)
+    rotary = RotaryEmbedding(head_dim, 4096, 10000.0, None)
+    cos, sin = rotary.tables(torch.randint(0, 4096, (tokens,), generator=gen))
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, generator=gen)
+    num_slots = 3 * tokens + 5
+    slots = torch.randperm(num_slots, generator=gen)[:tokens]
+    k_cache = torch.randn(kv_heads, num_slots, head_dim, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(kv_heads, num_slots, head_dim, generator=gen).to(cache_dtype)
+
+    rotated = apply_rotary(qkv[:, : (q_heads + kv_heads) * head_dim].view(tokens, q_heads + kv_heads, head_dim), (cos, sin))
+    v = qkv[:, (q_heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    expected_k = k_cache.clone().index_copy_(1, slots, rotated[:, q_heads:].transpose(0, 1).to(cache_dtype))
+    expected_v = v_cache.clone().index_copy_(1, slots, v.transpose(0, 1).to(cache_dtype))
+    expected_qkv = torch.cat([rotated.flatten(1), v.flatten(1)], dim=1)
+
+    torch.ops.tokenloop.rotary_cache_write(qkv, cos.squeeze(1), sin.squeeze(1), k_cache, v_cache, slots, q_heads)
+    assert torch.equal(qkv, expected_qkv)
+    assert torch.equal(k_cache, expected_k)
+    assert torch.equal(v_cache, expected_v)
+
+
+def test_bad_inputs_raise_a_clear_error():
+    qkv, table = torch.randn(3, 4 * 16), torch.randn(3, 16)
+    cache, slots = torch.zeros(1, 8, 16), torch.arange(3)
+    with pytest.raises(RuntimeError, match="qkv must be"):
+        torch.ops.tokenloop.rotary_cache_write(torch.randn(3, 5 * 16), table, table, cache, cache, slots, 2)
+    with pytest.raises(RuntimeError, match="cos and sin must be"):
+        torch.ops.tokenloop.rotary_cache_write(qkv, table[:2], table, cache, cache, slots, 2)
+    with pytest.raises(RuntimeError, match="slot_mapping must be"):
+        torch.ops.tokenloop.rotary_cache_write(qkv, table, table, cache, cache, slots[:2], 2)
