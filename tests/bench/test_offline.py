@@ -6,7 +6,7 @@ from tokenloop.bench.offline import BenchConfig, EngineResult, format_table, run
 
 
 def test_tokenloop_figures_are_measured_in_a_subprocess(tiny_model_folder):
-    cfg = BenchConfig(str(tiny_model_folder), dtype="float32", compile=False, threads=1, decode_tokens=8, prefill_tokens=64, batch_sizes=(2,))
+    cfg = BenchConfig(str(tiny_model_folder), dtype="float32", compile=False, threads=1, decode_tokens=8, prefill_tokens=64, batch_sizes=(2,), repeats=2)
     result = run_engine("tokenloop", cfg)
     assert result.error is None
     assert result.decode_tps > 0 and result.prefill_tps > 0 and result.ttft_ms > 0

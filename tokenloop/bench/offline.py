@@ -2,6 +2,8 @@
 
 Each engine runs in a subprocess of its own (so that peak RSS is its own); the table prints tokenloop/peer
 ratios from this one run. llama.cpp (`pip install -e .[bench]`) and transformers are used when installed.
+Every timed figure is the best of `repeats` runs, for every engine alike: on a shared machine a run is
+only ever slowed down by others, and one slow run of one engine would otherwise decide a ratio.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class BenchConfig:
     decode_tokens: int = 128
     prefill_tokens: int = 1024
     batch_sizes: tuple[int, ...] = (8, 32)
+    repeats: int = 3  # each timed figure: the best of this many runs
 
 
 @dataclass(slots=True)
@@ -68,17 +71,19 @@ def _bench_tokenloop(cfg: BenchConfig) -> EngineResult:
             pass
         return stats
 
-    prompt = tok.encode(DEFAULT_PROMPT)[:PROMPT_TOKENS]
-    decode = timed(prompt, greedy)
-    prefill = timed(_prefill_prompt(tok.encode, cfg.prefill_tokens), SamplingParams(temperature=0, max_tokens=1))
-    batch = {}
-    for size in cfg.batch_sizes:
+    def batch_rate(size: int) -> float:
         prompts = [{"prompt_token_ids": tok.encode(f"Story {i}: ") + prompt} for i in range(size)]
         start = time.perf_counter()
         outs = llm.generate(prompts, greedy, use_tqdm=False)
-        batch[str(size)] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+        return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+
+    prompt = tok.encode(DEFAULT_PROMPT)[:PROMPT_TOKENS]
+    decode_tps = max(timed(prompt, greedy).decode_rate for _ in range(cfg.repeats))
+    prefill_ids = _prefill_prompt(tok.encode, cfg.prefill_tokens)
+    prefill_s = min(timed(prefill_ids, SamplingParams(temperature=0, max_tokens=1)).prefill_s for _ in range(cfg.repeats))
+    batch = {str(size): max(batch_rate(size) for _ in range(cfg.repeats)) for size in cfg.batch_sizes}
     model = engine.runner.model
-    return EngineResult("tokenloop", decode.decode_rate, prefill.prefill_rate, prefill.prefill_s * 1e3, batch, weight_bytes=decode_weight_bytes(model))
+    return EngineResult("tokenloop", decode_tps, cfg.prefill_tokens / prefill_s, prefill_s * 1e3, batch, weight_bytes=decode_weight_bytes(model))
 
 
 def decode_weight_bytes(model: torch.nn.Module) -> int:
@@ -110,9 +115,11 @@ def _bench_llamacpp(cfg: BenchConfig) -> EngineResult:
             n += 1
         return first - start, last - first, n
 
-    _, decode_s, n = timed(llm.tokenize(DEFAULT_PROMPT.encode(), add_bos=False)[:PROMPT_TOKENS], cfg.decode_tokens)
-    ttft, _, _ = timed(_prefill_prompt(lambda s: llm.tokenize(s.encode(), add_bos=False), cfg.prefill_tokens), 1)
-    return EngineResult("llama.cpp", (n - 1) / decode_s, cfg.prefill_tokens / ttft, ttft * 1e3, weight_bytes=os.path.getsize(cfg.model))
+    prompt = llm.tokenize(DEFAULT_PROMPT.encode(), add_bos=False)[:PROMPT_TOKENS]
+    decode_tps = max((n - 1) / decode_s for _, decode_s, n in (timed(prompt, cfg.decode_tokens) for _ in range(cfg.repeats)))
+    prefill_ids = _prefill_prompt(lambda s: llm.tokenize(s.encode(), add_bos=False), cfg.prefill_tokens)
+    ttft = min(timed(prefill_ids, 1)[0] for _ in range(cfg.repeats))
+    return EngineResult("llama.cpp", decode_tps, cfg.prefill_tokens / ttft, ttft * 1e3, weight_bytes=os.path.getsize(cfg.model))
 
 
 def _bench_transformers(cfg: BenchConfig) -> EngineResult:
@@ -130,8 +137,9 @@ def _bench_transformers(cfg: BenchConfig) -> EngineResult:
 
     prompt = tok.encode(DEFAULT_PROMPT, add_special_tokens=False)[:PROMPT_TOKENS]
     run(prompt, 2)
-    ttft = run(_prefill_prompt(lambda s: tok.encode(s, add_special_tokens=False), cfg.prefill_tokens), 1)
-    decode_s = run(prompt, cfg.decode_tokens) - run(prompt, 1)
+    prefill_ids = _prefill_prompt(lambda s: tok.encode(s, add_special_tokens=False), cfg.prefill_tokens)
+    ttft = min(run(prefill_ids, 1) for _ in range(cfg.repeats))
+    decode_s = min(run(prompt, cfg.decode_tokens) for _ in range(cfg.repeats)) - min(run(prompt, 1) for _ in range(cfg.repeats))
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return EngineResult("transformers", (cfg.decode_tokens - 1) / decode_s, cfg.prefill_tokens / ttft, ttft * 1e3, weight_bytes=weight_bytes)
 
@@ -186,7 +194,8 @@ def format_table(results: list[EngineResult], cfg: BenchConfig, bandwidth: float
             line += f"{_fmt(theirs):>14}{ratio:>8}"
         lines.append(line)
     lines += [f"{r.engine}: {r.error}" for r in results if r.error]
-    lines.append("ratio = tokenloop / peer; llama-cpp-python runs one request at a time, so it has no batched rows.")
+    lines.append(f"ratio = tokenloop / peer; each timed figure is the best of {cfg.repeats} runs. llama-cpp-python runs one request")
+    lines.append("at a time, so it has no batched rows.")
     return "\n".join(lines)
 
 
@@ -202,12 +211,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--prefill-tokens", type=int, default=1024)
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ", ".join(ENGINES))
+    parser.add_argument("--repeats", type=int, default=3, help="each timed figure is the best of this many runs")
 
 
 def main_from_args(args: argparse.Namespace) -> int:
     from tokenloop.models.store import resolve
 
-    cfg = BenchConfig(str(resolve(args.model)), args.dtype, args.compile, args.threads, args.decode_tokens, args.prefill_tokens)
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    cfg = BenchConfig(str(resolve(args.model)), args.dtype, args.compile, args.threads, args.decode_tokens, args.prefill_tokens, repeats=args.repeats)
     engines = ["tokenloop"] + [e for e in args.engines.split(",") if e in ENGINES and e != "tokenloop"]
     if cfg.compile:
         build_compiled_package(cfg.model, cfg.dtype, cfg.threads)
