@@ -50,3 +50,5 @@ def test_bad_inputs_raise_a_clear_error():
         torch.ops.tokenloop.rotary_cache_write(qkv, table[:2], table, cache, cache, slots, 2)
     with pytest.raises(RuntimeError, match="slot_mapping must be"):
         torch.ops.tokenloop.rotary_cache_write(qkv, table, table, cache, cache, slots[:2], 2)
+    with pytest.raises(RuntimeError, match="slot 8 is outside the cache's 8 slots"):
+        torch.ops.tokenloop.rotary_cache_write(qkv, table, table, cache, cache, torch.tensor([0, 8, 1]), 2)

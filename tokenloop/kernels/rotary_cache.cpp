@@ -72,6 +72,7 @@ void rotary_cache_write(const at::Tensor& qkv, const at::Tensor& cos, const at::
               "slot_mapping must be a contiguous [T] int64 tensor");
   float* x = qkv.data_ptr<float>();
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot ", slot[t], " is outside the cache's ", slots, " slots");
   if (k_cache.scalar_type() == at::kHalf)
     rotary_cache_rows(x, cos.data_ptr<float>(), sin.data_ptr<float>(), k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(), slot, tokens, q_heads,
                       kv_heads, slots, d);
