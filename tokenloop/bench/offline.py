@@ -194,7 +194,8 @@ def format_table(results: list[EngineResult], cfg: BenchConfig, bandwidth: float
             line += f"{_fmt(theirs):>14}{ratio:>8}"
         lines.append(line)
     lines += [f"{r.engine}: {r.error}" for r in results if r.error]
-    lines.append(f"ratio = tokenloop / peer; each timed figure is the best of {cfg.repeats} runs. llama-cpp-python runs one request")
+    timing = f"the best of {cfg.repeats} runs" if cfg.repeats > 1 else "one run"
+    lines.append(f"ratio = tokenloop / peer; each timed figure is {timing}. llama-cpp-python runs one request")
     lines.append("at a time, so it has no batched rows.")
     return "\n".join(lines)
 
