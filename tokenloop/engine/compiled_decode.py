@@ -30,7 +30,12 @@ from torch import nn
 from tokenloop.models.attention import AttentionGroup, AttentionMetadata
 from tokenloop.models.store import tokenloop_home
 
-PACKAGE_SOURCES = [*Path(__file__).parent.parent.glob("models/*.py"), *Path(__file__).parent.parent.glob("kernels/*.cpp"), Path(__file__)]
+PACKAGE_SOURCES = [
+    *Path(__file__).parent.parent.glob("models/*.py"),
+    *Path(__file__).parent.parent.glob("kernels/*.cpp"),
+    *Path(__file__).parent.parent.glob("kernels/*.h"),
+    Path(__file__),
+]
 
 
 class DecodeStep(nn.Module):

@@ -30,6 +30,7 @@ import torch
 from tokenloop.models.store import tokenloop_home
 
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # included by the sources: part of the build key
 # -ffp-contract=off: a * b + c stays two roundings, as in PyTorch's eager ops (gcc would fuse it into one FMA),
 # so that a kernel standing in for a chain of eager ops gives the same floats. FMAs are written out where wanted.
 CXX_FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-w"]
@@ -69,7 +70,7 @@ def _built_library() -> Path:
     from torch.utils import cpp_extension
 
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    sources = b"".join(path.read_bytes() for path in SOURCES)
+    sources = b"".join(path.read_bytes() for path in [*SOURCES, *HEADERS])
     key = hashlib.sha256(sources + torch.__version__.encode() + " ".join(CXX_FLAGS).encode()).hexdigest()[:16]
     target = tokenloop_home() / "kernels" / f"tokenloop_kernels-{key}.so"
     if target.exists():

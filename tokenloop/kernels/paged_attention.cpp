@@ -22,6 +22,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "kv_cache.h"
+
 namespace {
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -173,10 +175,7 @@ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& key_slots,
                                   const at::Tensor& mask, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be a contiguous [B, heads, head_dim] float32 tensor");
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "k_cache and v_cache must be alike [kv_heads, slots, head_dim]");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == at::kHalf || k_cache.scalar_type() == at::kFloat, "the caches must be float16 or float32");
+  check_kv_caches(k_cache, v_cache);
   const int64_t batch = q.size(0), q_heads = q.size(1), head_dim = q.size(2), kv_heads = k_cache.size(0), slots = k_cache.size(1);
   TORCH_CHECK(k_cache.size(2) == head_dim && head_dim % 8 == 0, "head_dim must match the cache's and be a multiple of 8");
   TORCH_CHECK(q_heads % kv_heads == 0, "query heads must be a multiple of KV heads");
@@ -185,12 +184,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(mask.sizes() == key_slots.sizes() && mask.scalar_type() == at::kBool && mask.is_contiguous(), "mask must be a contiguous [B, K] bool tensor");
   at::Tensor out = at::empty(q.sizes(), q.options());
   const int64_t context = key_slots.size(1);
-  if (k_cache.scalar_type() == at::kHalf)
-    decode_attention(q.data_ptr<float>(), k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(), key_slots.data_ptr<int64_t>(), mask.data_ptr<bool>(),
-                     out.data_ptr<float>(), batch, q_heads, kv_heads, slots, head_dim, context, static_cast<float>(scale));
-  else
-    decode_attention(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), key_slots.data_ptr<int64_t>(), mask.data_ptr<bool>(),
-                     out.data_ptr<float>(), batch, q_heads, kv_heads, slots, head_dim, context, static_cast<float>(scale));
+  with_cache_data(k_cache, v_cache, [&](const auto* k, const auto* v) {
+    decode_attention(q.data_ptr<float>(), k, v, key_slots.data_ptr<int64_t>(), mask.data_ptr<bool>(), out.data_ptr<float>(), batch, q_heads, kv_heads,
+                     slots, head_dim, context, static_cast<float>(scale));
+  });
   return out;
 }
 

@@ -10,10 +10,11 @@
 #define CPU_CAPABILITY_AVX2
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <cstdint>
+
+#include "kv_cache.h"
 
 namespace {
 
@@ -57,10 +58,7 @@ void rotary_cache_rows(float* qkv, const float* cos, const float* sin, T* k_cach
 
 void rotary_cache_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& slot_mapping, int64_t q_heads) {
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "k_cache and v_cache must be alike [kv_heads, slots, head_dim]");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == at::kHalf || k_cache.scalar_type() == at::kFloat, "the caches must be float16 or float32");
+  check_kv_caches(k_cache, v_cache);
   const int64_t kv_heads = k_cache.size(0), slots = k_cache.size(1), d = k_cache.size(2), tokens = qkv.size(0);
   TORCH_CHECK(d % 2 == 0 && d <= 1024, "head_dim must be even and at most 1024, got ", d);
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous() && qkv.size(1) == (q_heads + 2 * kv_heads) * d,
@@ -73,12 +71,9 @@ void rotary_cache_write(const at::Tensor& qkv, const at::Tensor& cos, const at::
   float* x = qkv.data_ptr<float>();
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot ", slot[t], " is outside the cache's ", slots, " slots");
-  if (k_cache.scalar_type() == at::kHalf)
-    rotary_cache_rows(x, cos.data_ptr<float>(), sin.data_ptr<float>(), k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(), slot, tokens, q_heads,
-                      kv_heads, slots, d);
-  else
-    rotary_cache_rows(x, cos.data_ptr<float>(), sin.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), slot, tokens, q_heads,
-                      kv_heads, slots, d);
+  with_cache_data(k_cache, v_cache, [&](auto* k, auto* v) {
+    rotary_cache_rows(x, cos.data_ptr<float>(), sin.data_ptr<float>(), k, v, slot, tokens, q_heads, kv_heads, slots, d);
+  });
 }
 
 }  // namespace
