@@ -178,16 +178,18 @@ class Int4Linear(QuantizedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernel:
-            y = self._drop_padding(torch.ops.tokenloop.q4_matmul(x.float().contiguous(), self.qweight, self.scales, self.offsets)).to(x.dtype)
-            return y if self.bias is None else y + self.bias
+            return self._kernel_product(torch.ops.tokenloop.q4_matmul, x)
         return F.linear(x, self.weight_int4().dequantize().to(x.dtype), self.bias)
 
     def swiglu_forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """forward(silu(gate) * up) for gate_up = [gate | up], a SwiGLU MLP's down projection, through the CPU
         kernel (cpu_kernel must be set): it computes the product block by block as it quantizes its input,
         instead of in two more passes over it."""
-        y = self._drop_padding(torch.ops.tokenloop.q4_swiglu_matmul(gate_up.float().contiguous(), self.qweight, self.scales, self.offsets))
-        y = y.to(gate_up.dtype)
+        return self._kernel_product(torch.ops.tokenloop.q4_swiglu_matmul, gate_up)
+
+    def _kernel_product(self, op, x: torch.Tensor) -> torch.Tensor:
+        """op(x, weights) (a q4 kernel op) in x's dtype, without the padding rows, plus the bias."""
+        y = self._drop_padding(op(x.float().contiguous(), self.qweight, self.scales, self.offsets)).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
