@@ -48,6 +48,8 @@ class LLM:
                     if out.finished:
                         finished[out.request_id] = out
                         bar.update(1)
+        if failed := [out for out in finished.values() if out.error]:
+            raise RuntimeError(f"{len(failed)} of {len(ids)} requests failed; the first: {failed[0].error}")
         return [finished[i] for i in ids]
 
     def chat(

@@ -19,7 +19,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None  # per output token: chosen token and the top-k, by token id
-    finish_reason: str | None = None  # "stop", "length" or None while running
+    finish_reason: str | None = None  # "stop", "length", "abort" (ended by the server) or None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     def finished(self) -> bool:
@@ -34,3 +34,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # set (with finished) when the engine failed this request alone

@@ -47,3 +47,19 @@ def test_a_request_alone_equals_it_inside_a_batch_of_32(tiny_llm):
     together = tiny_llm.generate(batch, PARAMS, use_tqdm=False)
     alone = {p: tiny_llm.generate(p, PARAMS, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS}
     assert [o.outputs[0].token_ids for o in together] == [alone[p] for p in batch]
+
+
+@pytest.mark.parametrize("engine_args", [{"enable_prefix_caching": False}, {"max_num_batched_tokens": 7}, {}], ids=["no prefix cache", "chunked", "default"])
+def test_a_request_failing_beside_the_others_changes_none_of_their_tokens(tiny_model_folder, tiny_llm, reference, engine_args):
+    tokenizer = tiny_llm.get_tokenizer()
+    marker = max(set(range(400)) - {t for p in PROMPTS for t in tokenizer.encode(p)})  # in no prompt but the victim's
+    llm = make(tiny_model_folder, inject_faults=(f"sample:{marker}",), **engine_args)
+    engine = llm.llm_engine
+    ids = [engine.add_request(p, PARAMS) for p in PROMPTS]
+    victim = engine.add_request([5, marker, 6], PARAMS)
+    last = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            last[out.request_id] = out
+    assert last[victim].error is not None
+    assert [last[i].outputs[0].token_ids for i in ids] == reference

@@ -121,7 +121,7 @@ def test_chat_renders_the_template_and_reuses_earlier_turns(tiny_llm):
 @pytest.mark.parametrize(
     "prompt, params, message",
     [
-        ("hello", SamplingParams(max_tokens=300), r"prompt has \d+ tokens and max_tokens is 300: \d+ tokens exceed the context length of 256"),
+        ("hello", SamplingParams(max_tokens=300), r"max_tokens is 300: with the prompt's \d+ tokens that makes \d+, beyond the context length of 256 tokens"),
         ("", SamplingParams(), "prompt is empty"),
         ([5, 400, 7], SamplingParams(), r"out of the vocabulary \[0, 400\): \[400\]"),
         ({"text": "x"}, SamplingParams(), "needs 'prompt' or 'prompt_token_ids'"),
@@ -181,7 +181,7 @@ def test_a_request_larger_than_the_whole_pool_is_refused(tiny_model_folder):
     from tokenloop import LLM
 
     small = LLM(tiny_model_folder, dtype="float32", device="cpu", kv_cache_gb=2 * 8192 / 2**30)
-    with pytest.raises(ValueError, match="exceed the KV cache's 32 tokens"):
+    with pytest.raises(ValueError, match="the KV cache's size of 32 tokens"):
         small.generate(PROMPTS[1], SamplingParams(max_tokens=30), use_tqdm=False)
 
 

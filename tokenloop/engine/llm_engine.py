@@ -6,15 +6,17 @@ One step is: schedule (integers) → run the model (tensors) → process outputs
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from tokenloop.engine.block_manager import BlockManager
-from tokenloop.engine.model_runner import ModelRunner, kv_bytes_per_block
+from tokenloop.engine.faults import FaultInjection, InjectedFault
+from tokenloop.engine.model_runner import ModelInput, ModelRunner, StepSamples, kv_bytes_per_block
 from tokenloop.engine.output_processor import CompletionState, OutputProcessor, RequestState
-from tokenloop.engine.scheduler import Scheduler
+from tokenloop.engine.scheduler import ScheduledBatch, Scheduler
 from tokenloop.engine.sequence import Sequence
 from tokenloop.models.loader import load_model
 from tokenloop.outputs import RequestOutput
@@ -24,6 +26,7 @@ from tokenloop.tokenizer.detokenizer import IncrementalDetokenizer
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 Prompt = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt": ...} / {"prompt_token_ids": ...}
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -42,6 +45,7 @@ class EngineConfig:
     # Decode steps run as one compiled C++ call (engine/compiled_decode.py). The first start compiles
     # (minutes on a small CPU); later starts load the package cached under $TOKENLOOP_HOME/compiled.
     compile: bool = False
+    inject_faults: tuple[str, ...] = ()  # tests only: "STAGE:TOKEN_ID" each (engine/faults.py)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -88,6 +92,7 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self._by_seq: dict[str, tuple[RequestState, CompletionState]] = {}  # running completions by sequence id
         self._ids = itertools.count()
+        self.faults = [FaultInjection.parse(spec) for spec in config.inject_faults]
 
     def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -128,7 +133,7 @@ class LLMEngine:
         self.requests[request_id] = request
         # The other n - 1 completions join once this one has prefilled the prompt: they then find its
         # full blocks in the prefix cache and share them instead of computing them again.
-        self.scheduler.add(self._new_completion(request))
+        self._add_completion(request)
         return request_id
 
     def _new_completion(self, request: RequestState) -> Sequence:
@@ -149,51 +154,175 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if bad := [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]:
             raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
-        wanted = len(token_ids) + (params.max_tokens or 1)
-        if wanted > self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens and max_tokens is {params.max_tokens}: "
-                f"{wanted} tokens exceed the context length of {self.max_model_len}"
-            )
-        capacity = self.block_manager.num_blocks * self.block_manager.block_size
-        if wanted > capacity:
-            raise ValueError(f"{wanted} tokens (prompt plus max_tokens) exceed the KV cache's {capacity} tokens")
+        # The field to blame is max_tokens when the prompt alone leaves room for a token.
+        for limit, what in ((self.max_model_len, "the context length"), (self.block_manager.num_blocks * self.block_manager.block_size, "the KV cache's size")):
+            if len(token_ids) + 1 > limit:
+                raise ValueError(f"the prompt has {len(token_ids)} tokens: no room for one more within {what} of {limit} tokens")
+            if len(token_ids) + (params.max_tokens or 1) > limit:
+                raise ValueError(
+                    f"max_tokens is {params.max_tokens}: with the prompt's {len(token_ids)} tokens that makes "
+                    f"{len(token_ids) + params.max_tokens}, beyond {what} of {limit} tokens"
+                )
 
-    def abort_request(self, request_id: str) -> None:
-        """Drop a request and free its KV blocks at once; unknown or finished ids are ignored."""
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Drop a request and free its KV blocks at once; returns its last output, every unfinished completion
+        ending with finish_reason "abort" (None for unknown or finished ids)."""
+        request = self._drop(request_id)
+        return None if request is None else self.output_processor.make_output(request, finished=True)
+
+    def _drop(self, request_id: str) -> RequestState | None:
         request = self.requests.pop(request_id, None)
         if request is None:
-            return
+            return None
         for completion in request.completions:
             self._by_seq.pop(completion.seq.seq_id, None)
             if not completion.finished:
+                completion.seq.finish_reason = "abort"
                 self.scheduler.finish(completion.seq)
+        return request
+
+    def pause_request(self, request_id: str) -> None:
+        """Take a request out of the batches, keeping its KV blocks (its reader has fallen behind)."""
+        if (request := self.requests.get(request_id)) is not None:
+            request.paused = True
+            for completion in request.completions:
+                self.scheduler.pause(completion.seq)
+
+    def resume_request(self, request_id: str) -> None:
+        if (request := self.requests.get(request_id)) is not None:
+            request.paused = False
+            for completion in request.completions:
+                self.scheduler.resume(completion.seq)
 
     def has_unfinished_requests(self) -> bool:
+        """Whether a step has something to run (paused requests do not count)."""
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """Run one forward pass; returns an output for every request that got a new token."""
+        """Run one forward pass; returns an output for every request that got a new token or failed.
+
+        A failure tied to one request (preparing its rows, sampling its row, detokenizing its tokens) fails
+        that request alone, with an output whose `error` is set; the step goes on for the others. Only a
+        failed forward pass, which no single request can be blamed for, fails every request of the batch.
+        """
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        sampled_indices, samples = self.runner.execute(batch)
+        failed: dict[str, Exception] = {}  # request id -> what failed it
+        inp, batch = self._prepare(batch, failed)
+        samples = self._run(inp, batch, failed) if batch else None
+        outputs = self._update(batch, inp, samples, failed)
+        return outputs + [self._fail(request_id, e) for request_id, e in failed.items() if request_id in self.requests]
+
+    def _request_of(self, seq: Sequence) -> str:
+        return self._by_seq[seq.seq_id][0].request_id
+
+    def _inject(self, stage: str, seqs: list[Sequence]) -> None:
+        for fault in self.faults:
+            for seq in seqs:
+                fault.check(stage, seq)
+
+    def _failed(self, failed: dict[str, Exception], request_id: str, stage: str, e: Exception) -> None:
+        """Record (and log, with the traceback unless a test injected it) that a request failed."""
+        logger.error("%s request %s failed: %s", stage, request_id, e, exc_info=not isinstance(e, InjectedFault))
+        failed.setdefault(request_id, e)
+
+    def _prepare(self, batch: ScheduledBatch, failed: dict[str, Exception]) -> tuple[ModelInput | None, ScheduledBatch]:
+        """The step's tensors. If building them fails, each sequence is tried alone: the ones that fail are
+        dropped from the step, the others run."""
+        try:
+            self._inject("stall", batch.seqs)
+            self._inject("prepare", batch.seqs)
+            return self.runner.prepare(batch), batch
+        except Exception:
+            pass
+        kept = ScheduledBatch([], [])
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
+            try:
+                self._inject("prepare", [seq])
+                self.runner.prepare(ScheduledBatch([seq], [n]))
+            except Exception as e:
+                self._failed(failed, self._request_of(seq), "preparing", e)
+                continue
+            kept.seqs.append(seq)
+            kept.num_new_tokens.append(n)
+        return (self.runner.prepare(kept) if kept else None), kept
+
+    def _run(self, inp: ModelInput, batch: ScheduledBatch, failed: dict[str, Exception]) -> StepSamples | None:
+        """The forward pass, then sampling. A failed forward pass fails every request of the batch (none can be
+        blamed); a failed sampling is retried row by row, so that only the rows that fail are lost."""
+        try:
+            logits = self.runner.logits(inp)
+        except Exception as e:
+            logger.exception("the forward pass failed: failing the %d requests of its batch", len(batch))
+            for seq in batch.seqs:
+                failed.setdefault(self._request_of(seq), e)
+            return None
+        if logits is None:
+            return None
+        seqs = [batch.seqs[i] for i in inp.sample_seq_indices]
+        try:
+            self._inject("sample", seqs)
+            return self.runner.sample(logits, seqs)
+        except Exception:
+            pass
+        parts = []
+        for row, seq in enumerate(seqs):
+            try:
+                self._inject("sample", [seq])
+                parts.append(self.runner.sample(logits[row : row + 1], [seq]))
+            except Exception as e:
+                self._failed(failed, self._request_of(seq), "sampling", e)
+                parts.append(StepSamples([-1], None, None, None))  # a placeholder row, never read
+        return StepSamples.concat(parts)
+
+    def _update(self, batch: ScheduledBatch, inp: ModelInput | None, samples: StepSamples | None, failed: dict[str, Exception]) -> list[RequestOutput]:
+        """The post-step update, for the requests that did not fail: advance computed tokens, cache full blocks
+        (never those of a failed request: its K/V may be wrong), append samples, fork, finish."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if self._request_of(seq) not in failed:
+                seq.num_computed_tokens += n
+                self.block_manager.cache_full_blocks(seq)
         progressed: dict[str, RequestState] = {}
-        for row, index in enumerate(sampled_indices):
-            request, completion = self._by_seq[batch.seqs[index].seq_id]
-            self.output_processor.append(completion, samples, row)
-            if completion.finished:
-                self.scheduler.finish(completion.seq)
-                del self._by_seq[completion.seq.seq_id]
-            if completion.index == 0 and len(request.completions) == 1:
-                for _ in range(request.params.n - 1):
-                    self.scheduler.add(self._new_completion(request))
+        for row, index in enumerate(inp.sample_seq_indices if samples is not None else []):
+            seq = batch.seqs[index]
+            request, completion = self._by_seq[seq.seq_id]
+            if request.request_id in failed:
+                continue
+            try:
+                self._inject("detokenize", [seq])
+                self.output_processor.append(completion, samples, row)
+                if completion.finished:
+                    self.scheduler.finish(completion.seq)
+                    del self._by_seq[completion.seq.seq_id]
+                if completion.index == 0 and len(request.completions) == 1:
+                    for _ in range(request.params.n - 1):
+                        self._add_completion(request)
+            except Exception as e:
+                self._failed(failed, request.request_id, "updating", e)
+                continue
             progressed[request.request_id] = request
-        outputs = [self.output_processor.make_output(request) for request in progressed.values()]
-        for out in outputs:
-            if out.finished:
-                del self.requests[out.request_id]
+        outputs = []
+        for request in progressed.values():
+            if request.request_id in failed:
+                continue
+            try:
+                outputs.append(self.output_processor.make_output(request))
+            except Exception as e:
+                self._failed(failed, request.request_id, "the output of", e)
+                continue
+            if outputs[-1].finished:
+                del self.requests[request.request_id]
         return outputs
+
+    def _add_completion(self, request: RequestState) -> None:
+        seq = self._new_completion(request)
+        self.scheduler.add(seq)
+        if request.paused:
+            self.scheduler.pause(seq)
+
+    def _fail(self, request_id: str, error: Exception) -> RequestOutput:
+        """Abort a request that failed; its output carries the error."""
+        request = self._drop(request_id)
+        message = f"{type(error).__name__}: {error}"
+        return RequestOutput(request_id, request.prompt, request.prompt_token_ids, [], finished=True, error=message)

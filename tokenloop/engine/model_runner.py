@@ -18,6 +18,7 @@ from torch import nn
 
 from tokenloop.engine.compiled_decode import DecodeForward
 from tokenloop.engine.scheduler import ScheduledBatch
+from tokenloop.engine.sequence import Sequence
 from tokenloop.models.attention import AttentionGroup, AttentionMetadata
 from tokenloop.models.config import ModelConfig
 from tokenloop.sampling.sampler import Sampler, SamplerOutput, SamplingBatch
@@ -55,6 +56,22 @@ class StepSamples:
         if out.logprobs is None:
             return cls(out.token_ids.tolist(), None, None, None)
         return cls(out.token_ids.tolist(), out.logprobs.tolist(), out.logprob_token_ids.tolist(), out.ranks.tolist())
+
+    @classmethod
+    def concat(cls, parts: list[StepSamples]) -> StepSamples:
+        """The rows of several samplings in order; rows of a part without logprobs get empty ones (they asked for none)."""
+        with_logprobs = any(p.logprobs is not None for p in parts)
+
+        def rows(name: str, p: StepSamples, empty) -> list:
+            value = getattr(p, name)
+            return value if value is not None else [empty] * len(p.token_ids)
+
+        return cls(
+            [t for p in parts for t in p.token_ids],
+            [r for p in parts for r in rows("logprobs", p, [])] if with_logprobs else None,
+            [r for p in parts for r in rows("logprob_token_ids", p, [])] if with_logprobs else None,
+            [r for p in parts for r in rows("ranks", p, 0)] if with_logprobs else None,
+        )
 
 
 @dataclass(slots=True)
@@ -150,12 +167,21 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[list[int], StepSamples | None]:
         """Run one step; returns the batch indices of the sequences that sampled, and their samples."""
         inp = self.prepare(batch)
+        logits = self.logits(inp)
+        if logits is None:
+            return [], None
+        return inp.sample_seq_indices, self.sample(logits, [batch.seqs[i] for i in inp.sample_seq_indices])
+
+    @torch.inference_mode()
+    def logits(self, inp: ModelInput) -> torch.Tensor | None:
+        """The forward pass: float32 logits [S, V] of the sequences that sample this step (None if none does)."""
         hidden = self.forward(inp.input_ids, inp.positions, inp.meta, inp.decode_only)
         if not inp.sample_seq_indices:
-            return [], None
-        logits = self.model.compute_logits(hidden[inp.sample_rows]).float()
-        seqs = [batch.seqs[i] for i in inp.sample_seq_indices]
-        sampling = SamplingBatch.from_params(
-            [s.params for s in seqs], [s.generator for s in seqs], logits.shape[-1], logits.device
-        )
-        return inp.sample_seq_indices, StepSamples.from_sampler(self.sampler(logits, sampling))
+            return None
+        return self.model.compute_logits(hidden[inp.sample_rows]).float()
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> StepSamples:
+        """One token per row of `logits`, row i by seqs[i]'s sampling parameters and generator."""
+        sampling = SamplingBatch.from_params([s.params for s in seqs], [s.generator for s in seqs], logits.shape[-1], logits.device)
+        return StepSamples.from_sampler(self.sampler(logits, sampling))

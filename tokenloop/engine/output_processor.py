@@ -35,6 +35,7 @@ class RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     completions: list[CompletionState] = field(default_factory=list)
+    paused: bool = False  # out of the batches until its reader catches up (engine.pause_request)
 
     @property
     def finished(self) -> bool:
@@ -76,7 +77,8 @@ class OutputProcessor:
             entries.setdefault(tid, Logprob(lp, rank, self.tokenizer.decode([tid])))
         return entries
 
-    def make_output(self, request: RequestState) -> RequestOutput:
+    def make_output(self, request: RequestState, finished: bool | None = None) -> RequestOutput:
+        """The request's output so far; `finished` overrides whether it is the last one (an abort)."""
         completions = [
             CompletionOutput(
                 index=c.index,
@@ -94,6 +96,6 @@ class OutputProcessor:
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             outputs=completions,
-            finished=request.finished,
+            finished=request.finished if finished is None else finished,
             num_cached_tokens=request.completions[0].seq.num_cached_tokens,
         )

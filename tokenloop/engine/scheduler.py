@@ -31,6 +31,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Out of the batches, blocks kept, until resumed (their reader fell behind); never preempted.
+        self.paused: list[Sequence] = []
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -85,10 +87,31 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
 
-    def finish(self, seq: Sequence) -> None:
-        seq.status = SequenceStatus.FINISHED
+    def pause(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        else:
+            return
+        self.paused.append(seq)
+
+    def resume(self, seq: Sequence) -> None:
+        if seq not in self.paused:
+            return
+        self.paused.remove(seq)
+        if seq.status is SequenceStatus.RUNNING and len(self.running) < self.max_num_seqs:
+            self.running.append(seq)
+            return
+        if seq.status is SequenceStatus.RUNNING:  # the batch filled up meanwhile: wait, holding nothing
+            self._release(seq)
+            seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.FINISHED
+        for queue in (self.running, self.waiting, self.paused):
+            if seq in queue:
+                queue.remove(seq)
+                break
         self.block_manager.free(seq)

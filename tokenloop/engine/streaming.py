@@ -45,6 +45,8 @@ def stream(engine: LLMEngine, prompt: Prompt, params: SamplingParams, stats: Str
             for out in engine.step():
                 if out.request_id != request_id:
                     continue
+                if out.error:
+                    raise RuntimeError(f"the request failed: {out.error}")
                 now = time.perf_counter()
                 if first is None:
                     first = now

@@ -1,0 +1,48 @@
+"""Fault injection, for tests: one engine stage fails (or stalls) for the sequences whose prompt holds a marker token.
+
+`tokenloop serve --inject-fault STAGE:TOKEN_ID` (repeatable) sets it on a real server process, so that a test can check that a
+failure tied to one request fails that request alone, and that /health notices a stalled step loop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from tokenloop.engine.sequence import Sequence
+
+# Where LLMEngine.step calls check(): building the step's tensors, sampling, turning tokens into text;
+# "stall" sleeps inside the request's first step instead of raising.
+STAGES = ("prepare", "sample", "detokenize", "stall")
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+@dataclass(slots=True, frozen=True)
+class FaultInjection:
+    stage: str
+    token_id: int
+    stall_s: float = 8.0
+
+    def __post_init__(self) -> None:
+        if self.stage not in STAGES:
+            raise ValueError(f"fault stage must be one of {', '.join(STAGES)}, got {self.stage!r}")
+
+    @classmethod
+    def parse(cls, spec: str) -> FaultInjection:
+        """'STAGE:TOKEN_ID', e.g. 'sample:399'."""
+        stage, _, token = spec.partition(":")
+        if not token.isdigit():
+            raise ValueError(f"inject_fault must be STAGE:TOKEN_ID, got {spec!r}")
+        return cls(stage, int(token))
+
+    def check(self, stage: str, seq: Sequence) -> None:
+        if stage != self.stage or self.token_id not in seq.token_ids[: seq.num_prompt_tokens]:
+            return
+        if stage == "stall":
+            if seq.num_computed_tokens == 0:  # once per request: its first step
+                time.sleep(self.stall_s)
+            return
+        raise InjectedFault(f"injected fault in {stage} of {seq.seq_id}")
