@@ -1,7 +1,12 @@
 """AsyncEngine: the engine's step loop in a background thread, one asyncio stream per request.
 
-The engine itself stays single-threaded: the event loop only queues commands (add, abort) that the step
-thread applies between steps, and the step thread hands outputs back with call_soon_threadsafe.
+The engine itself stays single-threaded: the event loop only queues commands (add, abort, pause, resume) that
+the step thread applies between steps, and the step thread hands outputs back with call_soon_threadsafe.
+
+What one request can cost the others is bounded here: requests waiting for their first token are capped
+(`max_waiting`), a stream holds one output however far its reader lags (outputs are cumulative, so the newest
+replaces the older), and a request whose reader has not taken `max_unread_outputs` outputs is paused (out of
+the batch, its KV blocks kept) until the reader catches up, or aborted after `unread_timeout_s`.
 """
 
 from __future__ import annotations
@@ -23,52 +28,139 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
+class AsyncEngineConfig:
+    max_waiting: int = 256  # requests admitted and waiting for their first token; beyond it, EngineBusy
+    max_unread_outputs: int = 32  # outputs a reader may leave untaken before its request is paused
+    unread_timeout_s: float = 300.0  # a request paused this long for its reader is aborted
+    stall_timeout_s: float = 4.0  # a step loop silent this long is reported unhealthy
+
+    def __post_init__(self) -> None:
+        for name in ("max_waiting", "max_unread_outputs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("unread_timeout_s", "stall_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+class EngineBusy(Exception):
+    """Too many requests are waiting: try again later."""
+
+
+class EngineDraining(Exception):
+    """The server is shutting down and takes no new request."""
+
+
+class RequestFailed(Exception):
+    """The engine failed this request (alone, or with the whole batch when the forward pass failed)."""
+
+
+@dataclass(slots=True)
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue  # RequestOutput items, or an Exception that ends the stream
+    ready: asyncio.Event  # set when `latest` holds something
     arrival: float
-    last_token: float = 0.0
+    latest: RequestOutput | Exception | None = None  # the newest output not yet taken
+    delivered: int = 0  # outputs put, counted on the event loop
+    taken: int = 0  # `delivered` as of the reader's last take
+    paused_at: float | None = None  # when its request was paused for the reader (monotonic), None if running
+    started: bool = False  # has had its first output (no longer waiting)
+    last_token: float = 0.0  # metrics, kept by the step thread
     tokens: int = 0
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None) -> None:
+    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None, config: AsyncEngineConfig | None = None) -> None:
         self.engine = engine
         self.metrics = metrics or EngineMetrics()
+        self.config = config or AsyncEngineConfig()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wakeup = threading.Event()
         self._stopping = False
+        self.draining = False
+        self.num_waiting = 0  # requests admitted, no output yet (event loop side)
         self._ids = 0
+        self._heartbeat = time.monotonic()  # the step loop's last sign of life
         self._thread = threading.Thread(target=self._run, name="tokenloop-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def healthy(self) -> bool:
+        """The step loop is alive and has not been stuck in one step (or command) for stall_timeout_s."""
+        return self._thread.is_alive() and time.monotonic() - self._heartbeat < self.config.stall_timeout_s
 
     def shutdown(self) -> None:
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout=30)
 
+    def admit(self, num_requests: int) -> None:
+        """Raise EngineDraining or EngineBusy unless `num_requests` more requests may wait."""
+        if self.draining:
+            raise EngineDraining("the server is shutting down")
+        if self.num_waiting + num_requests > self.config.max_waiting:
+            raise EngineBusy(f"{self.num_waiting} requests are waiting already (at most {self.config.max_waiting})")
+
+    def abort_all(self) -> None:
+        """End every request now: each stream gets a last output, unfinished completions with finish_reason "abort"."""
+        self._command("abort_all", None)
+
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs (cumulative); leaving the iteration early aborts it and frees its blocks."""
+        """Stream a request's outputs (cumulative; a slow reader skips the ones superseded meanwhile). Leaving
+        the iteration early aborts it and frees its blocks."""
         tokenized = self.engine.process_prompt(prompt, params)  # ValueError here, before anything is queued
         if request_id is None:
             self._ids += 1
             request_id = f"req-{self._ids}"
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Event(), time.perf_counter())
         self._streams[request_id] = stream
+        self.num_waiting += 1
         self._command("add", request_id, tokenized, params)
         finished = False
         try:
             while not finished:
-                item = await stream.queue.get()
+                await stream.ready.wait()
+                stream.ready.clear()
+                item, stream.latest = stream.latest, None
+                stream.taken = stream.delivered
                 if isinstance(item, Exception):
                     raise item
                 finished = item.finished
                 yield item
+                if stream.paused_at is not None:  # the reader is back for more
+                    stream.paused_at = None
+                    self._command("resume", request_id)
         finally:
             self._streams.pop(request_id, None)
+            if not stream.started:
+                self.num_waiting -= 1
             if not finished:
                 self._command("abort", request_id)
+
+    def _put(self, request_id: str, stream: _Stream, item: RequestOutput | Exception) -> None:
+        """On the event loop: hand an output to its stream, pausing the request if its reader lags."""
+        if self._streams.get(request_id) is not stream:
+            return
+        if not stream.started:
+            stream.started = True
+            self.num_waiting -= 1
+        stream.latest, stream.delivered = item, stream.delivered + 1
+        stream.ready.set()
+        if stream.paused_at is None and stream.delivered - stream.taken >= self.config.max_unread_outputs:
+            stream.paused_at = paused_at = time.monotonic()
+            self._command("pause", request_id)
+            stream.loop.call_later(self.config.unread_timeout_s, self._unread_timeout, request_id, stream, paused_at)
+
+    def _unread_timeout(self, request_id: str, stream: _Stream, paused_at: float) -> None:
+        if self._streams.get(request_id) is stream and stream.paused_at == paused_at:
+            self._command("abort", request_id)
+            message = f"aborted: the client read nothing for {self.config.unread_timeout_s:g} s"
+            stream.latest = RequestFailed(message)
+            stream.ready.set()
 
     def _command(self, *command) -> None:
         self._commands.put(command)
@@ -77,44 +169,54 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         while not self._stopping:
+            self._heartbeat = time.monotonic()
             self._apply_commands()
             if not engine.has_unfinished_requests():
-                self._wakeup.wait()
+                self._wakeup.wait(timeout=self.config.stall_timeout_s / 4)  # wakes to keep the heartbeat fresh
                 self._wakeup.clear()
                 continue
             try:
                 outputs = engine.step()
-            except Exception as e:  # a failed step fails the requests in flight; the server keeps serving
+            except Exception as e:  # a failure no request could be blamed for: fail those in flight, go on serving
                 logger.exception("engine step failed")
                 for request_id in list(engine.requests):
                     engine.abort_request(request_id)
-                    self._deliver(request_id, RuntimeError(f"the engine failed: {e}"))
+                    self._deliver(request_id, RequestFailed(f"the engine failed: {e}"))
                 continue
             now = time.perf_counter()
             for out in outputs:
                 self._record(out, now)
-                self._deliver(out.request_id, out)
+                self._deliver(out.request_id, RequestFailed(out.error) if out.error else out)
             self.metrics.observe_engine(engine)
 
     def _apply_commands(self) -> None:
+        engine = self.engine
         while True:
             try:
                 kind, request_id, *args = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if kind == "abort":
-                self.engine.abort_request(request_id)
-                self.metrics.observe_engine(self.engine)
-                continue
             try:
-                self.engine.add_request(*args, request_id=request_id)
-                self.metrics.prompt_tokens.inc(len(args[0]["prompt_token_ids"]))
+                if kind == "add":
+                    engine.add_request(*args, request_id=request_id)
+                    self.metrics.prompt_tokens.inc(len(args[0]["prompt_token_ids"]))
+                elif kind == "abort":
+                    engine.abort_request(request_id)
+                elif kind == "abort_all":
+                    for rid in list(engine.requests):
+                        self._deliver(rid, engine.abort_request(rid))
+                elif kind == "pause":
+                    engine.pause_request(request_id)
+                elif kind == "resume":
+                    engine.resume_request(request_id)
             except Exception as e:
+                logger.exception("engine command %s failed", kind)
                 self._deliver(request_id, e)
+            self.metrics.observe_engine(engine)
 
     def _record(self, out: RequestOutput, now: float) -> None:
         stream = self._streams.get(out.request_id)
-        if stream is None:
+        if stream is None or out.error:
             return
         tokens = sum(len(c.token_ids) for c in out.outputs)
         self.metrics.generation_tokens.inc(tokens - stream.tokens)
@@ -126,7 +228,7 @@ class AsyncEngine:
         if out.finished:
             self.metrics.e2e.observe(now - stream.arrival)
 
-    def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
+    def _deliver(self, request_id: str | None, item: RequestOutput | Exception) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            stream.loop.call_soon_threadsafe(self._put, request_id, stream, item)

@@ -17,6 +17,7 @@ class EngineMetrics:
         self.e2e = Histogram("tokenloop_e2e_request_latency_seconds", "Request arrival to its last token", buckets=_LATENCY_BUCKETS, registry=r)
         self.running = Gauge("tokenloop_num_requests_running", "Sequences in the running batch", registry=r)
         self.waiting = Gauge("tokenloop_num_requests_waiting", "Sequences waiting to be scheduled", registry=r)
+        self.paused = Gauge("tokenloop_num_requests_paused", "Sequences paused until their reader catches up", registry=r)
         self.blocks_used = Gauge("tokenloop_kv_cache_blocks_in_use", "KV blocks referenced by sequences", registry=r)
         self.blocks_total = Gauge("tokenloop_kv_cache_blocks_total", "KV blocks in the pool", registry=r)
         self.prefix_hit_rate = Gauge("tokenloop_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up", registry=r)
@@ -30,6 +31,7 @@ class EngineMetrics:
         scheduler, blocks = engine.scheduler, engine.block_manager
         self.running.set(len(scheduler.running))
         self.waiting.set(len(scheduler.waiting))
+        self.paused.set(len(scheduler.paused))
         self.blocks_used.set(blocks.num_used_blocks)
         self.blocks_total.set(blocks.num_blocks)
         if blocks.prefix_queried_tokens:
