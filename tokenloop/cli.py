@@ -116,15 +116,21 @@ def cmd_perplexity(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    from tokenloop.engine.async_engine import AsyncEngineConfig
     from tokenloop.engine.llm_engine import EngineConfig
-    from tokenloop.server.serve import serve
+    from tokenloop.server.serve import ServerConfig, serve
 
-    config = EngineConfig(
+    engine_config = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, kv_cache_gb=args.kv_cache_gb, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching, compile=args.compile,
+        enable_prefix_caching=not args.no_prefix_caching, compile=args.compile, inject_faults=tuple(args.inject_fault),
     )
-    serve(config, args.served_model_name or args.model or store.DEFAULT_MODEL, args.host, args.port, args.api_key)
+    limits = AsyncEngineConfig(max_waiting=args.max_waiting, unread_timeout_s=args.unread_timeout, stall_timeout_s=args.stall_timeout)
+    config = ServerConfig(
+        args.served_model_name or args.model or store.DEFAULT_MODEL, args.host, args.port, args.api_key,
+        max_n=args.max_n, shutdown_timeout=args.shutdown_timeout, limits=limits,
+    )
+    serve(engine_config, config)
     return 0
 
 
@@ -173,6 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--max-n", type=int, default=128, help="largest n (and best_of) a request may ask for")
+    p.add_argument("--max-waiting", type=int, default=256, help="requests waiting for their first token; beyond it a 429")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds running requests may go on after SIGTERM")
+    p.add_argument("--unread-timeout", type=float, default=300.0, help="seconds a request paused for a slow reader may wait")
+    p.add_argument("--stall-timeout", type=float, default=4.0, help="seconds without a step after which /health says 503")
+    p.add_argument("--inject-fault", action="append", default=[], help=argparse.SUPPRESS)  # tests: STAGE:TOKEN_ID (engine/faults.py)
     _add_compile_arg(p, default=False)
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("bench", help="tokenloop beside llama.cpp and transformers on the same GGUF (or: bench serve)")

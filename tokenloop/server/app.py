@@ -3,44 +3,36 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from pydantic import BaseModel
 
-from tokenloop.engine.async_engine import AsyncEngine
+from tokenloop.engine.async_engine import AsyncEngine, RequestFailed
 from tokenloop.outputs import RequestOutput
 from tokenloop.sampling.params import SamplingParams
+from tokenloop.server.errors import ERROR_RESPONSES, APIError, CatchAll, error_body, error_response, install_error_handlers, param_of
 from tokenloop.server.protocol import ChatCompletionRequest, CompletionRequest
 from tokenloop.server.responses import ChoiceIndexer, Usage, chat_logprobs, completion_logprobs
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 500: "internal_server_error"}
+DEFAULT_MAX_N = 128  # OpenAI's own bound on n
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+class Health(BaseModel):
+    status: str  # "ok", "stalled" (the step loop is stuck or dead) or "draining" (shutting down)
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "error"), "param": param, "code": status}}
-
-
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status)
-
-
-def _param_of(message: str) -> str | None:
-    """Our ValueErrors start with the offending field's name ("temperature must be ...")."""
-    first = message.split(" ", 1)[0].rstrip(":")
-    return first if first.isidentifier() and first not in ("the", "a", "prompt") else None
+_GENERATION_RESPONSES = ERROR_RESPONSES | {
+    200: {"description": "the completion, or with stream: true a stream of server-sent events",
+          "content": {"application/json": {"schema": {"type": "object"}},
+                      "text/event-stream": {"schema": {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}}}},
+}
 
 
 class _RequireAPIKey:
@@ -59,39 +51,29 @@ class _RequireAPIKey:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, max_n: int = DEFAULT_MAX_N) -> FastAPI:
     app = FastAPI(title="tokenloop", docs_url=None, redoc_url=None)
     max_model_len = engine.engine.max_model_len
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return error_response(e.status, e.message, e.param)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        err = e.errors()[0] if e.errors() else {}
-        if err.get("type") == "json_invalid":  # its loc is a character offset, not a field
-            return error_response(400, f"invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
-        loc = [str(part) for part in err.get("loc", ()) if part != "body"]
-        message = f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid request')}"
-        return error_response(400, message, loc[0] if loc else None)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return error_response(e.status_code, str(e.detail))
-
+    install_error_handlers(app)
     if api_key is not None:
         app.add_middleware(_RequireAPIKey, api_key=api_key)
+    app.add_middleware(CatchAll)  # added last: outermost, it also covers the key check
+    context = (max_model_len - 1, f"the context is {max_model_len} tokens, the prompt at least one")
+    bounds = {"n": (max_n, "the server's --max-n"), "best_of": (max_n, "the server's --max-n"), "max_tokens": context, "max_completion_tokens": context}
+    app.openapi = lambda: _openapi(app, {name: bound for name, (bound, _) in bounds.items()}, max_model_len, engine.engine.model_config.vocab_size)
 
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200)
+    @app.get("/health", response_model=Health, responses={503: {"model": Health, "description": "stalled or draining"}})
+    async def health() -> JSONResponse:
+        """200 while the step loop is alive and making progress; 503 when it is stuck or dead, or the server drains."""
+        status = "draining" if engine.draining else "ok" if engine.healthy() else "stalled"
+        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
+        """Prometheus metrics in the text exposition format."""
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=ERROR_RESPONSES)
     async def models() -> dict:
         card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "tokenloop", "max_model_len": max_model_len}
         return {"object": "list", "data": [card]}
@@ -100,25 +82,36 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
         if name is not None and name != model_name:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{model_name}`.", "model")
 
+    def check_bounds(body: CompletionRequest | ChatCompletionRequest) -> None:
+        """The bounds that depend on this server (the schema states them too)."""
+        for name, (bound, why) in bounds.items():
+            if (value := getattr(body, name, None)) is not None and value > bound:
+                raise APIError(400, f"{name} must be at most {bound} ({why}), got {value}", name)
+        if getattr(body, "best_of", None) is not None and body.best_of < body.n:
+            raise APIError(400, f"best_of must be at least n ({body.n}), got {body.best_of}", "best_of")
+
     def start_streams(prompts: list, params: SamplingParams) -> list[AsyncIterator[RequestOutput]]:
         """Validate every prompt before starting any, so that a bad one leaves nothing running."""
+        engine.admit(len(prompts))  # 503 while draining, 429 when too many wait
         try:
             tokenized = [engine.engine.process_prompt(p, params) for p in prompts]
         except ValueError as e:
-            raise APIError(400, str(e), _param_of(str(e)) or "prompt") from None
+            raise APIError(400, str(e), param_of(str(e)) or "prompt") from None
         return [engine.generate(t, params) for t in tokenized]
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        params = _params(lambda: body.sampling_params(body.max_tokens, body.logprobs))
+        check_bounds(body)
+        # best_of > n: that many completions run, and the n with the highest cumulative logprob are returned.
+        best_of = body.best_of or body.n
+        logprobs = 0 if best_of > body.n and body.logprobs is None else body.logprobs  # to rank them
+        params = _params(lambda: body.sampling_params(body.max_tokens, logprobs, n=best_of))
         if body.echo and body.logprobs is not None:
             raise APIError(400, "echo together with logprobs is not supported", "echo")
-        try:
-            prompts = body.prompts()
-        except ValueError as e:
-            raise APIError(400, str(e), "prompt") from None
-        streams = start_streams(prompts, params)
+        streams = start_streams(body.prompts(), params)
+        if best_of > body.n:  # the best are known only at the end: a stream gets them then
+            streams = [_best_of(s, body.n) for s in streams]
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model_name}
 
         def prompt_text(out: RequestOutput) -> str:  # what echo returns; token-id prompts have no text of their own
@@ -133,16 +126,15 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
             echo = prompt_text(out) if body.echo else ""
             for c in out.outputs:
                 logprobs = completion_logprobs(c, 0, body.logprobs, 0) if body.logprobs is not None else None
-                choices.append({"index": i * params.n + c.index, "text": echo + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                choices.append({"index": i * body.n + c.index, "text": echo + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return JSONResponse(meta | {"choices": choices, "usage": usage.as_dict()})
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
+        check_bounds(body)
         params = _params(lambda: body.sampling_params(body.effective_max_tokens(), body.effective_logprobs()))
         try:
-            if not body.messages:
-                raise ValueError("messages must not be empty")
             messages = [m.as_template_message() for m in body.messages]
             prompt = engine.engine.chat_prompt(messages, body.add_generation_prompt)
         except ValueError as e:
@@ -173,7 +165,7 @@ def _params(make) -> SamplingParams:
     try:
         return make()
     except ValueError as e:
-        raise APIError(400, str(e), _param_of(str(e))) from None
+        raise APIError(400, str(e), param_of(str(e))) from None
 
 
 async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
@@ -183,7 +175,19 @@ async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestO
             pass
         return out
 
-    return list(await asyncio.gather(*(last(s) for s in streams)))
+    try:
+        return list(await asyncio.gather(*(last(s) for s in streams)))
+    except RequestFailed as e:
+        raise APIError(500, f"the engine failed this request: {e}") from None
+
+
+async def _best_of(stream: AsyncIterator[RequestOutput], n: int) -> AsyncIterator[RequestOutput]:
+    """The last output only, keeping its n completions of highest cumulative logprob, renumbered 0..n-1."""
+    out = None
+    async for out in stream:
+        pass
+    best = sorted(out.outputs, key=lambda c: -c.cumulative_logprob)[:n]
+    yield dataclasses.replace(out, outputs=[dataclasses.replace(c, index=i) for i, c in enumerate(best)])
 
 
 async def _until_disconnected(request: Request, coro):
@@ -249,7 +253,7 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
 
 
 async def _completion_chunks(streams, params: SamplingParams, body: CompletionRequest, meta: dict, prompt_text: Callable[[RequestOutput], str]) -> AsyncIterator[dict]:
-    indexer, usage = ChoiceIndexer(params.n), {}
+    indexer, usage = ChoiceIndexer(body.n), {}
     async for i, out in _merge(streams):
         for c in out.outputs:
             index = indexer.index(i, c.index)
@@ -292,3 +296,46 @@ async def _chat_chunks(stream, params: SamplingParams, body: ChatCompletionReque
         usage = Usage()
         usage.add(final)
         yield meta | {"choices": [], "usage": usage.as_dict()}
+
+
+def _openapi(app: FastAPI, bounds: dict[str, int], max_model_len: int, vocab_size: int) -> dict:
+    """FastAPI's schema, made true to this server: validation errors are 400s (documented), never 422s, and the
+    bounds that depend on the server are written in (n by --max-n, max_tokens by the context, token ids by
+    the vocabulary)."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in schema["paths"].values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        components = schema.get("components", {}).get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        for name in ("CompletionRequest", "ChatCompletionRequest"):
+            for field, schema_of_field in components[name]["properties"].items():
+                if field in bounds:
+                    for integer in _integer_schemas(schema_of_field):
+                        integer["maximum"] = bounds[field]
+        prompt = components["CompletionRequest"]["properties"]["prompt"]
+        for integer in _integer_schemas(prompt):
+            integer["maximum"] = vocab_size - 1
+        for token_list in _token_lists(prompt):
+            token_list["maxItems"] = max_model_len - 1
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def _integer_schemas(schema: dict) -> list[dict]:
+    """The integer schemas inside a property's schema (through anyOf and array items)."""
+    if schema.get("type") == "integer":
+        return [schema]
+    found = [s for sub in schema.get("anyOf", []) for s in _integer_schemas(sub)]
+    return found + (_integer_schemas(schema["items"]) if "items" in schema else [])
+
+
+def _token_lists(schema: dict) -> list[dict]:
+    """The array-of-integer schemas inside a property's schema."""
+    if schema.get("type") == "array" and schema.get("items", {}).get("type") == "integer":
+        return [schema]
+    return [s for sub in schema.get("anyOf", []) + ([schema["items"]] if "items" in schema else []) for s in _token_lists(sub)]

@@ -1,46 +1,121 @@
-"""OpenAI API request bodies (pydantic) and how their fields become SamplingParams."""
+"""OpenAI API request bodies (pydantic) and how their fields become SamplingParams.
+
+Admission does every per-request check here, so that the engine only ever sees requests it can run: types
+are strict (true is not 1, [[false]] is not a token), numbers finite and in their documented ranges, seeds
+signed 64-bit, text valid Unicode (no lone surrogates). The ranges are part of the OpenAPI schema.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from tokenloop.sampling.params import MAX_LOGPROBS, SamplingParams
+from tokenloop.sampling.params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
+
+# Strict: no coercion of booleans into numbers or numbers into strings; no NaN or infinity.
+_STRICT = ConfigDict(strict=True, allow_inf_nan=False)
+# JSON Schema counts 5.0 as an integer; strict pydantic does not. A whole float is taken as the integer it is.
+_WHOLE = BeforeValidator(lambda v: int(v) if isinstance(v, float) and v.is_integer() else v)
+
+
+def Int(**bounds) -> Any:
+    """An integer field (bounds as Field's ge, le, ...) that also takes a whole float."""
+    return Annotated[int, Field(**bounds), _WHOLE]
+
+
+TokenId = Int(ge=0)
+NonEmptyText = Annotated[str, Field(min_length=1)]
+
+# Fields of OpenAI's API (and vLLM's) that change the result and that this server cannot honour yet: a request
+# that sets one to anything but its neutral value is refused, never served as if it had not asked.
+_UNSUPPORTED: dict[str, tuple] = {
+    "logit_bias": (None, {}),
+    "suffix": (None, ""),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "repetition_penalty": (None, 1, 1.0),
+    "min_tokens": (None, 0),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "prompt_logprobs": (None,),
+    "use_beam_search": (None, False),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+}
+
+
+def find_surrogate(value: Any, path: str) -> str | None:
+    """The path of the first string in a JSON value that holds a lone surrogate (not encodable text), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and find_surrogate(key, path) is not None:
+            return path
+        if (found := find_surrogate(item, f"{path}.{key}" if path else str(key))) is not None:
+            return found
+    return None
+
+
+class _Request(BaseModel):
+    # Unknown fields are ignored, as vLLM does (clients send vendor extensions freely), except the known ones
+    # in _UNSUPPORTED, which would change the result.
+    model_config = ConfigDict(extra="allow", **_STRICT)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        if (path := find_surrogate(data, "")) is not None:
+            raise ValueError(f"{path.split('.', 1)[0] or 'body'}: {path or 'the body'} is not valid Unicode text (it holds a lone surrogate)")
+        return data
+
+    @model_validator(mode="after")
+    def _no_unsupported_fields(self) -> _Request:
+        for name, value in (self.model_extra or {}).items():
+            if name in _UNSUPPORTED and not any(value == neutral and type(value) is type(neutral) for neutral in _UNSUPPORTED[name]):
+                raise ValueError(f"{name}: not supported yet")
+        return self
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", **_STRICT)
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
-    # Unknown fields are ignored, as vLLM does: clients send vendor extensions freely.
-    model_config = ConfigDict(extra="ignore")
-
+class _SamplingRequest(_Request):
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # extension (vLLM)
-    min_p: float = 0.0  # extension (vLLM)
-    n: int = 1
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # extension (vLLM)
+    max_tokens: Int(ge=1) | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_k: Int(ge=-1) = -1  # extension (vLLM); -1 or 0 = off
+    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0  # extension (vLLM)
+    n: Int(ge=1) = 1  # at most the server's --max-n (written into the served schema)
+    stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=16)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None  # extension (vLLM)
     ignore_eos: bool = False  # extension (vLLM)
-    seed: int | None = None
+    seed: Int(ge=SEED_MIN, le=SEED_MAX) | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    # Only 0 until the penalties are built: the schema says so rather than accepting what it would ignore.
+    presence_penalty: Annotated[float, Field(ge=0, le=0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=0, le=0)] = 0.0
     user: str | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, n: int | None = None) -> SamplingParams:
         """Raises ValueError naming the field for values out of range."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                raise ValueError(f"{name} is not supported yet (only 0)")
         return SamplingParams(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            n=n or self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             seed=self.seed, max_tokens=max_tokens, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos, logprobs=logprobs,
         )
@@ -51,41 +126,55 @@ class _SamplingRequest(BaseModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
-    logprobs: int | None = None
+    model_config = ConfigDict(json_schema_extra={
+        "examples": [{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}],
+        # echo with logprobs would need the prompt's logprobs, which are not built yet
+        "not": {"required": ["echo", "logprobs"], "properties": {"echo": {"const": True}, "logprobs": {"type": "integer"}}},
+    })
+
+    prompt: NonEmptyText | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[NonEmptyText | Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    max_tokens: Int(ge=1) | None = 16  # OpenAI's default for completions
+    logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
     echo: bool = False
+    best_of: Int(ge=1) | None = None  # completions to run, of which the n most likely are returned
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
-        if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
-            return [p]
-        if not p:
-            raise ValueError("prompt is empty")
-        return list(p)
+        return [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", **_STRICT)
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # Other fields (name, tool_calls, tool_call_id, ...) reach the chat template, as transformers passes them.
+    model_config = ConfigDict(extra="allow", **_STRICT)
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = None
 
     def as_template_message(self) -> dict[str, Any]:
         """Text parts are joined: the models served here read text only."""
         content = self.content
         if isinstance(content, list):
-            if any(part.get("type") != "text" for part in content):
-                raise ValueError("messages: only text content parts are supported")
-            content = "".join(str(part.get("text", "")) for part in content)
+            content = "".join(part.text for part in content)
         return {**(self.model_extra or {}), "role": self.role, "content": content if content is not None else ""}
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    model_config = ConfigDict(json_schema_extra={
+        "examples": [{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16, "temperature": 0}],
+        # top_logprobs only with logprobs: true
+        "not": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}, "logprobs": {"const": False}}},
+    })
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Int(ge=1) | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
     add_generation_prompt: bool = True  # extension (vLLM)
 
     def effective_max_tokens(self) -> int | None:
@@ -94,6 +183,4 @@ class ChatCompletionRequest(_SamplingRequest):
     def effective_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -24,13 +24,17 @@ def render_chat_template(
     _check_messages(messages)
     kwargs.setdefault("tools", None)  # transformers always passes these two, so `tools is defined` holds
     kwargs.setdefault("documents", None)
-    return _compile(template).render(
-        messages=messages,
-        add_generation_prompt=add_generation_prompt,
-        bos_token=bos_token,
-        eos_token=eos_token,
-        **kwargs,
-    )
+    try:
+        return _compile(template).render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token,
+            eos_token=eos_token,
+            **kwargs,
+        )
+    except (jinja2.TemplateError, TypeError, AttributeError, KeyError, IndexError) as e:
+        # The template evaluates the caller's messages: what it trips over is in them (a number where it loops).
+        raise ValueError(f"messages: the chat template cannot render them: {type(e).__name__}: {e}") from e
 
 
 def _check_messages(messages: Any) -> None:

@@ -1,0 +1,34 @@
+"""A bug that escapes a route is a JSON 500 in OpenAI's shape, and the next request on the app is served."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+from fastapi import FastAPI
+
+from tokenloop.server.errors import CatchAll, install_error_handlers
+
+
+def test_an_exception_escaping_a_route_is_a_json_500():
+    app = FastAPI()
+    install_error_handlers(app)
+    app.add_middleware(CatchAll)
+
+    @app.get("/boom")
+    async def boom():
+        raise KeyError("lost")
+
+    @app.get("/fine")
+    async def fine():
+        return {"ok": True}
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=True), base_url="http://app") as client:
+            return await client.get("/boom"), await client.get("/fine")
+
+    boom, fine = asyncio.run(scenario())
+    assert boom.status_code == 500 and boom.headers["content-type"] == "application/json"
+    error = boom.json()["error"]
+    assert error["type"] == "internal_server_error" and "KeyError" in error["message"]
+    assert fine.status_code == 200 and fine.json() == {"ok": True}
