@@ -3,7 +3,12 @@ and a tiny random Llama with a tiny tokenizer saved as a Hugging Face folder for
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# Eager by default in tests (and the servers they start), so that no test starts a background compile it does
+# not wait for; the compiled step's tests ask for compile=True.
+os.environ["TOKENLOOP_COMPILE"] = "0"
 
 import pytest
 import torch

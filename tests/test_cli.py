@@ -59,3 +59,36 @@ def test_perplexity_of_a_missing_file_is_a_clean_error(tmp_path, capsys):
     assert main(["perplexity", str(tmp_path / "missing.txt")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: cannot read") and "missing.txt" in err and "Traceback" not in err
+
+
+def test_a_first_generate_says_what_it_waits_for_on_stderr_and_prints_only_text_on_stdout(tiny_model_folder, tmp_path):
+    """An empty package cache: the command runs eager at once, says on stderr that it compiles in the background,
+    leaves only the generated text in its stdout file; the compile outlives it, and the next start uses it."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    from tokenloop.models.store import tokenloop_home
+
+    home = tmp_path / "home"
+    if (tokenloop_home() / "kernels").is_dir():  # the kernels' own 20-80 s build is not what this test is about
+        shutil.copytree(tokenloop_home() / "kernels", home / "kernels")
+    env = os.environ | {"TOKENLOOP_HOME": str(home), "TOKENLOOP_COMPILE": "1"}
+    cmd = [sys.executable, "-m", "tokenloop.cli", "generate", "Hello world", "--model", str(tiny_model_folder), "--dtype", "float32", "--max-tokens", "6"]
+    with open(tmp_path / "out.txt", "w") as out:
+        first = subprocess.run(cmd, stdout=out, stderr=subprocess.PIPE, text=True, env=env, timeout=300)
+    assert first.returncode == 0, first.stderr
+    assert "compiling the decode step in the background" in first.stderr
+    text = (tmp_path / "out.txt").read_text()
+    again = subprocess.run(cmd + ["--no-compile"], capture_output=True, text=True, env=env, timeout=300)
+    assert text == again.stdout and text.endswith("\n") and "tokenloop:" not in text  # the text, and nothing else
+
+    (log,) = (home / "compiled").glob("*.log")
+    deadline = time.monotonic() + 300
+    while "built " not in log.read_text():
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(1)
+    later = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert later.returncode == 0 and later.stdout == text and "compiling" not in later.stderr

@@ -24,13 +24,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--stats", action="store_true", help="print prompt and decode tokens/s")
-    _add_compile_arg(p, default=False)
+    _add_compile_arg(p)
 
 
-def _add_compile_arg(p: argparse.ArgumentParser, default: bool) -> None:
+def _add_compile_arg(p: argparse.ArgumentParser) -> None:
+    from tokenloop.engine.llm_engine import compile_by_default
+
     p.add_argument(
-        "--compile", action=argparse.BooleanOptionalAction, default=default,
-        help="run decode steps as one compiled graph (the first start compiles for minutes; later starts reuse the cache)",
+        "--compile", action=argparse.BooleanOptionalAction, default=compile_by_default(),
+        help="decode steps as one compiled C++ call (the default; a first start runs eager while it compiles in the background)",
     )
 
 
@@ -43,7 +45,7 @@ def _sampling_params(args):
     )
 
 
-def _llm(args, compile: bool = False):
+def _llm(args, compile: bool):
     from tokenloop.llm import LLM
 
     return LLM(args.model, dtype=args.dtype, device=args.device, compile=compile)
@@ -104,7 +106,7 @@ def cmd_perplexity(args) -> int:
         text = Path(args.file).read_text(encoding="utf-8")
     except OSError as e:  # checked before the model loads
         raise ValueError(f"cannot read {args.file}: {e.strerror or e}") from None
-    llm = _llm(args)  # scoring is all prefill: nothing for the compiled decode step to do
+    llm = _llm(args, compile=False)  # scoring is all prefill: nothing for the compiled decode step to do
     start = time.perf_counter()
     result = perplexity(llm, text, window=args.window, max_tokens=args.max_tokens)
     seconds = time.perf_counter() - start
@@ -147,6 +149,21 @@ def cmd_pull(args) -> int:
     return 0
 
 
+def _log_progress_to_stderr() -> None:
+    """tokenloop's progress lines (model fetch, kernel build, background compile) on stderr, as plain lines:
+    stdout carries only what the command generates."""
+    import logging
+
+    class StderrLines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            print(f"tokenloop: {record.getMessage()}", file=sys.stderr, flush=True)  # sys.stderr as it is now
+
+    logger = logging.getLogger("tokenloop")
+    if not any(type(h).__name__ == "StderrLines" for h in logger.handlers):
+        logger.addHandler(StderrLines())
+        logger.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenloop", description="Generate text with LLMs, token by token.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -185,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--unread-timeout", type=float, default=300.0, help="seconds a request paused for a slow reader may wait")
     p.add_argument("--stall-timeout", type=float, default=4.0, help="seconds without a step after which /health says 503")
     p.add_argument("--inject-fault", action="append", default=[], help=argparse.SUPPRESS)  # tests: STAGE:TOKEN_ID (engine/faults.py)
-    _add_compile_arg(p, default=False)
+    _add_compile_arg(p)
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("bench", help="tokenloop beside llama.cpp and transformers on the same GGUF (or: bench serve)")
     offline_bench.add_arguments(p)
@@ -199,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("name")
     p.set_defaults(func=cmd_pull)
     args = parser.parse_args(argv)
+    if args.command != "serve":  # (serve logs everything its own way)
+        _log_progress_to_stderr()
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -129,7 +129,7 @@ def test_compiled_decode_gives_the_eager_greedy_tokens_from_one_package(tiny_q4_
 def test_an_engine_with_compile_gives_eager_tokens_and_a_later_start_never_imports_the_compiler(tiny_model_folder, tiny_llm, builds, tmp_path):
     from tokenloop import LLM
 
-    llm = LLM(tiny_model_folder, dtype="float32", device="cpu", kv_cache_gb=0.01, compile=True)
+    llm = LLM(tiny_model_folder, dtype="float32", device="cpu", kv_cache_gb=0.01, compile=True, compile_in_background=False)
     assert llm.llm_engine.runner.forward.compiled is not None and len(builds) == 1
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = ["Hello world", "The quick brown fox", "def main():"]
@@ -153,3 +153,38 @@ print(out[0].outputs[0].token_ids)
     flags, tokens = proc.stdout.strip().splitlines()[-2:]
     assert flags == "False True False False"  # loaded, not built; compiled; dynamo and inductor never imported
     assert tokens == str(single)
+
+
+def test_a_first_start_runs_eager_while_one_child_compiles_then_switches_between_steps_to_the_same_tokens(tiny_model_folder, tiny_llm, tmp_path, monkeypatch):
+    """Two processes start on an empty cache: each runs at once, one background build happens (the other
+    finds the package built), and a batch running meanwhile switches to the package between two steps."""
+    from tokenloop import LLM
+
+    monkeypatch.setenv("TOKENLOOP_HOME", str(tmp_path))
+    other = subprocess.Popen([sys.executable, "-c", f"""
+from tokenloop import LLM
+llm = LLM({str(tiny_model_folder)!r}, dtype="float32", device="cpu", kv_cache_gb=0.01, compile=True)
+llm.llm_engine.runner.forward.worker.wait()
+"""])
+    llm = LLM(tiny_model_folder, dtype="float32", device="cpu", kv_cache_gb=0.01, compile=True)
+    forward = llm.llm_engine.runner.forward
+    assert forward.worker is not None and forward.compiled is None  # eager at once, the build in a child
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = ["Hello world", "The quick brown fox", "def main():"]
+    engine = llm.llm_engine
+    ids = [engine.add_request(p, params) for p in prompts]
+    last, steps, steps_eager = {}, 0, 0
+    while engine.has_unfinished_requests():
+        if steps == 4:
+            assert forward.worker.wait(timeout=300) == 0 and forward.compiled is None  # built, not yet switched to
+        steps += 1
+        for out in engine.step():
+            last[out.request_id] = out
+        steps_eager += forward.compiled is None
+    assert forward.compiled is not None and steps_eager == 4  # the first step after the build ended ran the package
+    eager = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, params, use_tqdm=False)]
+    assert [last[i].outputs[0].token_ids for i in ids] == eager
+    assert other.wait(timeout=300) == 0
+    (log,) = (tmp_path / "compiled").glob("*.log")
+    lines = log.read_text().splitlines()
+    assert sum(line.startswith("built ") for line in lines) == 1 and sum(line.startswith("found ") for line in lines) == 1, lines

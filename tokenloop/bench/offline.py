@@ -144,13 +144,11 @@ def _bench_transformers(cfg: BenchConfig) -> EngineResult:
     return EngineResult("transformers", (cfg.decode_tokens - 1) / decode_s, cfg.prefill_tokens / ttft, ttft * 1e3, weight_bytes=weight_bytes)
 
 
-def build_compiled_package(model: str, dtype: str, threads: int | None = None) -> None:
-    """Start tokenloop once with `compile`, in a process of its own, so that its decode package is in the cache
-    before a measured run: the first start of a model compiles it (minutes, and the compiler's memory); every
-    later start loads it, and that is what the tables measure. `threads`: as the measured run sets them
-    (None: torch's default), since the package is compiled for a thread count."""
-    threads_line = "" if threads is None else f"torch.set_num_threads({threads}); "
-    script = f"import torch; {threads_line}from tokenloop import LLM; LLM({model!r}, dtype={dtype!r}, compile=True)"
+def build_compiled_package(model: str, dtype: str) -> None:
+    """Start tokenloop once with `compile`, in a process of its own, waiting for the compiler, so that the
+    decode package is in the cache before a measured run: every later start loads it, and that is what the
+    tables measure (the package serves any thread count)."""
+    script = f"from tokenloop import LLM; LLM({model!r}, dtype={dtype!r}, compile=True, compile_in_background=False)"
     subprocess.run([sys.executable, "-c", script], check=True)
 
 
@@ -223,7 +221,7 @@ def main_from_args(args: argparse.Namespace) -> int:
     cfg = BenchConfig(str(resolve(args.model)), args.dtype, args.compile, args.threads, args.decode_tokens, args.prefill_tokens, repeats=args.repeats)
     engines = ["tokenloop"] + [e for e in args.engines.split(",") if e in ENGINES and e != "tokenloop"]
     if cfg.compile:
-        build_compiled_package(cfg.model, cfg.dtype, cfg.threads)
+        build_compiled_package(cfg.model, cfg.dtype)
     results = [run_engine(e, cfg) for e in engines]
     print(format_table(results, cfg, memory_bandwidth_gbs()))
     return 0

@@ -9,19 +9,28 @@ decode step. Prefill and mixed batches stay eager: their time goes to large matm
 
 The package holds code only: the weights stay the model's own tensors, handed over at load (no second
 copy), and the KV caches are inputs, written in place. It is cached under $TOKENLOOP_HOME/compiled, keyed
-by everything the code depends on (model structure, dtypes, device, threads, torch and tokenloop sources).
-So the first start compiles (about two minutes for SmolLM2-135M on two cores) and later starts only load
-a library: they never import torch's compiler (dynamo and inductor weigh over 100 MB of resident memory).
-Where compiling is not possible (no C++ compiler, an unsupported op) the step warns once and runs eager:
-the same model, the same tokens.
+by everything the code depends on (model structure, dtypes, device, torch and tokenloop sources; not the
+thread count: the code asks OpenMP for it when it runs). Later starts only load a library: they never import
+torch's compiler (dynamo and inductor weigh over 100 MB of resident memory). A first start does not wait for
+the compiler (about two minutes for SmolLM2-135M on two cores): it runs eager at once while a child process
+at low priority builds the package (engine/compile_worker.py), and switches to it between two steps when it
+is ready; the child goes on if the parent exits, so the next start finds the package. A file lock makes two
+processes that start together build one package. Where compiling is not possible (no C++ compiler, an
+unsupported op) it says so once and runs eager: the same model, the same tokens.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import json
+import logging
 import os
+import subprocess
+import sys
 import tempfile
 import warnings
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -29,6 +38,9 @@ from torch import nn
 
 from tokenloop.models.attention import AttentionGroup, AttentionMetadata
 from tokenloop.models.store import tokenloop_home
+
+logger = logging.getLogger(__name__)
+BUILD_MINUTES_HINT = "about 2 minutes for a 135M model on 2 cores"
 
 PACKAGE_SOURCES = [
     *Path(__file__).parent.parent.glob("models/*.py"),
@@ -79,9 +91,9 @@ def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def package_key(model: nn.Module, caches: list[torch.Tensor]) -> str:
     """What the compiled code depends on: the model's structure and config, every tensor's dtype and shape,
-    which kernels it calls, the caches' dtype and device, the thread count (inductor fixes it in the code),
-    and the sources of torch and of tokenloop's model code."""
-    parts = [str(model), repr(getattr(model, "config", None)), torch.__version__, str(torch.get_num_threads())]
+    which kernels it calls, the caches' dtype and device, the CPU count (inductor decides its loops' split
+    by it), and the sources of torch and of tokenloop's model code."""
+    parts = [str(model), repr(getattr(model, "config", None)), torch.__version__, str(os.cpu_count())]
     parts += [f"{name}:{t.dtype}:{tuple(t.shape)}:{t.device.type}" for name, t in named_tensors(model).items()]
     parts += [f"{name}:{getattr(m, 'cpu_kernel', None)}" for name, m in model.named_modules()]
     kv_heads, _, head_dim = caches[0].shape  # [kv_heads, slots, head_dim]: the slot count is dynamic
@@ -92,8 +104,23 @@ def package_key(model: nn.Module, caches: list[torch.Tensor]) -> str:
     return digest.hexdigest()[:16]
 
 
-def build_package(model: nn.Module, caches: list[torch.Tensor], target: Path) -> None:
-    """torch.export the decode step (batch size, context length and cache size dynamic), then AOTInductor."""
+def package_path(model: nn.Module, caches: list[torch.Tensor]) -> Path:
+    return tokenloop_home() / "compiled" / f"decode-{package_key(model, caches)}.pt2"
+
+
+def build_package(model: nn.Module, caches: list[torch.Tensor], target: Path) -> bool:
+    """torch.export the decode step (batch size, context length and cache size dynamic), then AOTInductor.
+    Under a lock on the target: a process that finds it built meanwhile builds nothing (returns False)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():
+            return False
+        _build(model, caches, target)
+        return True
+
+
+def _build(model: nn.Module, caches: list[torch.Tensor], target: Path) -> None:
     from torch._inductor import aoti_compile_and_package
     from torch.export import Dim
 
@@ -106,12 +133,29 @@ def build_package(model: nn.Module, caches: list[torch.Tensor], target: Path) ->
     )
     with torch.no_grad():
         program = torch.export.export(DecodeStep(model), example_inputs(torch.zeros(1, dtype=torch.int64), caches), dynamic_shapes=dynamic_shapes, strict=False)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    configs = {
+        "aot_inductor.package_constants_in_so": False,  # at load the package is given the model's own tensors
+        # Loops are split for the machine's cores, and the code asks OpenMP for its thread count when it runs:
+        # a package serves any OMP_NUM_THREADS (the background build runs with one thread).
+        "cpp.threads": os.cpu_count() or 1,
+        "cpp.dynamic_threads": True,
+    }
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = os.path.join(tmp, target.name)
-        # The weights are not packaged: at load the package is given the model's own tensors.
-        aoti_compile_and_package(program, package_path=built, inductor_configs={"aot_inductor.package_constants_in_so": False})
+        aoti_compile_and_package(program, package_path=built, inductor_configs=configs)
         os.replace(built, target)  # atomic: a concurrent start never loads half a file
+
+
+@dataclass(slots=True)
+class CompileSpec:
+    """How a child process loads the same model to compile its decode step (engine/compile_worker.py)."""
+
+    model: str  # the model's file or folder
+    dtype: str  # activation dtype name, e.g. "float32"
+    device: str
+    keep_quantized: bool
+    kv_dtype: str  # the KV caches' dtype name
+    target: str  # the package path the parent expects: the child checks that its key gives the same
 
 
 def use_tokenloop_cache_dir() -> None:
@@ -126,34 +170,72 @@ def use_tokenloop_cache_dir() -> None:
 
 
 class DecodeForward:
-    """model.forward for the model runner: the compiled package for decode-only batches, eager for the rest."""
+    """model.forward for the model runner: the compiled package for decode-only batches, eager for the rest.
 
-    def __init__(self, model: nn.Module, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], compile: bool) -> None:
+    `background`: build a missing package in a child process and switch to it when it is ready (else build
+    it here, before the first step)."""
+
+    def __init__(self, model: nn.Module, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], compile: bool, background: CompileSpec | None = None) -> None:
         self.model = model
         self.caches = [*k_caches, *v_caches]
         self.compiled = None
-        self.built = False  # whether this start compiled the package (else it came from the cache)
-        if compile:
-            try:
-                self.compiled = self._load_or_build()
-            except Exception as e:  # noqa: BLE001 — export or C++ compilation failed: any error means "eager"
-                warnings.warn(f"compiling the decode step failed, running it eager: {type(e).__name__}: {e}", stacklevel=2)
+        self.built = False  # whether this process compiled the package (else it came from the cache or a child)
+        self.worker: subprocess.Popen | None = None  # the background build, until its package is loaded
+        if not compile:
+            return
+        self.path = package_path(model, self.caches)
+        try:
+            if not self.path.exists() and background is not None:
+                self.worker = _start_worker(background, self.path)
+                return
+            if not self.path.exists():
+                logger.info("compiling the decode step (%s; cached after)", BUILD_MINUTES_HINT)
+                self.built = build_package(model, self.caches, self.path)
+            self.compiled = self._load()
+        except Exception as e:  # noqa: BLE001 — export or C++ compilation failed: any error means "eager"
+            warnings.warn(f"compiling the decode step failed, running it eager: {type(e).__name__}: {e}", stacklevel=2)
 
-    def _load_or_build(self):
-        path = tokenloop_home() / "compiled" / f"decode-{package_key(self.model, self.caches)}.pt2"
-        if not path.exists():
-            build_package(self.model, self.caches, path)
-            self.built = True
+    def _load(self):
         device = self.caches[0].device
-        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1 if device.index is None else device.index)
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(self.path), "model", False, 1, -1 if device.index is None else device.index)
         tensors = {f"model.{name}": t.data for name, t in named_tensors(self.model).items()}
         # user_managed: the package reads these tensors where they are, without copying them.
         loader.load_constants({name: tensors[name] for name in loader.get_constant_fqns()}, False, True, True)
         return loader
 
+    def poll(self) -> None:
+        """Between steps: switch to the package once the background build has ended with one."""
+        if self.worker is None or self.worker.poll() is None:
+            return
+        worker, self.worker = self.worker, None
+        if worker.returncode != 0 or not self.path.exists():
+            log = self.path.with_suffix(".log")
+            warnings.warn(f"the background compile of the decode step failed (exit status {worker.returncode}, see {log}): running eager", stacklevel=2)
+            return
+        self.compiled = self._load()
+        logger.info("decode steps now run the compiled package")
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, decode_only: bool) -> torch.Tensor:
+        if decode_only and self.worker is not None:
+            self.poll()
         if self.compiled is not None and decode_only:
             (group,) = meta.groups  # a decode-only batch is one group
             inputs = [input_ids, positions, meta.slot_mapping, group.query_index, group.output_index, group.key_slots, group.mask]
             return self.compiled.run(inputs + self.caches)[0]
         return self.model(input_ids, positions, meta)
+
+
+def _start_worker(spec: CompileSpec, target: Path) -> subprocess.Popen:
+    """The background build: a child at the lowest CPU priority, on one thread, in a session of its own (it
+    outlives a one-shot command, so that the next start finds the package)."""
+    spec.target = str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log = target.with_suffix(".log")
+    env = os.environ | {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    with open(log, "ab") as out:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "tokenloop.engine.compile_worker", json.dumps(asdict(spec))],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env, start_new_session=True, preexec_fn=lambda: os.nice(19),
+        )
+    logger.info("compiling the decode step in the background (%s); running eager until it is ready. Log: %s", BUILD_MINUTES_HINT, log)
+    return worker

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, replace
+import os
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from tokenloop.engine.block_manager import BlockManager
+from tokenloop.engine.compiled_decode import CompileSpec
 from tokenloop.engine.faults import FaultInjection, InjectedFault
 from tokenloop.engine.model_runner import ModelInput, ModelRunner, StepSamples, kv_bytes_per_block
 from tokenloop.engine.output_processor import CompletionState, OutputProcessor, RequestState
@@ -29,6 +31,21 @@ Prompt = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt": ...}
 logger = logging.getLogger(__name__)
 
 
+def _check_device(device: str) -> None:
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as e:
+        raise ValueError(f"device {device!r} is not a torch device: {e}") from None
+    if kind != "cpu" and not (torch.accelerator.is_available() and torch.accelerator.current_accelerator().type == kind):
+        build = "a CPU-only build" if torch.version.cuda is None and torch.version.hip is None else f"built for {torch.version.cuda or torch.version.hip}"
+        raise ValueError(f"device {device!r} is not available: this torch {torch.__version__} is {build} (see the README on GPUs)")
+
+
+def compile_by_default() -> bool:
+    """Decode steps are compiled unless TOKENLOOP_COMPILE=0 says otherwise."""
+    return os.environ.get("TOKENLOOP_COMPILE", "1") != "0"
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None  # known name, .gguf file or Hugging Face folder; None = the default model
@@ -42,9 +59,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # tokens in one step at most (decodes plus prefill chunks)
     max_model_len: int | None = None  # context length; None = the model's own
     enable_prefix_caching: bool = True
-    # Decode steps run as one compiled C++ call (engine/compiled_decode.py). The first start compiles
-    # (minutes on a small CPU); later starts load the package cached under $TOKENLOOP_HOME/compiled.
-    compile: bool = False
+    # Decode steps run as one compiled C++ call (engine/compiled_decode.py), cached under $TOKENLOOP_HOME/compiled.
+    # A start without the package runs eager while a child process compiles it (compile_in_background), or
+    # compiles it first. TOKENLOOP_COMPILE=0 in the environment turns the default off.
+    compile: bool = field(default_factory=lambda: compile_by_default())
+    compile_in_background: bool = True
     inject_faults: tuple[str, ...] = ()  # tests only: "STAGE:TOKEN_ID" each (engine/faults.py)
 
     def __post_init__(self) -> None:
@@ -55,6 +74,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.kv_cache_gb > 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+        if self.device is not None:
+            _check_device(self.device)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -87,7 +108,13 @@ class LLMEngine:
             raise ValueError(f"kv_cache_gb={config.kv_cache_gb} does not hold one KV block of this model")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, config.kv_cache_dtype, device, config.compile)
+        background = None
+        if config.compile and config.compile_in_background:
+            background = CompileSpec(
+                str(loaded.path), str(dtype).removeprefix("torch."), str(device), config.dtype == "auto",
+                str(config.kv_cache_dtype).removeprefix("torch."), target="",
+            )
+        self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, config.kv_cache_dtype, device, config.compile, background)
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, RequestState] = {}
         self._by_seq: dict[str, tuple[RequestState, CompletionState]] = {}  # running completions by sequence id

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tokenloop.engine.compiled_decode import DecodeForward
+from tokenloop.engine.compiled_decode import CompileSpec, DecodeForward
 from tokenloop.engine.scheduler import ScheduledBatch
 from tokenloop.engine.sequence import Sequence
 from tokenloop.models.attention import AttentionGroup, AttentionMetadata
@@ -94,13 +94,14 @@ class ModelRunner:
         kv_dtype: torch.dtype,
         device: torch.device,
         compile: bool = False,
+        background: CompileSpec | None = None,  # where compile: build a missing package in a child process
     ) -> None:
         self.model, self.config, self.block_size, self.device = model, config, block_size, device
         shape = (config.num_kv_heads, num_blocks * block_size, config.head_dim)
         layers = model.attention_layers()
         for attn in layers:
             attn.bind_cache(zeroed_pool(shape, kv_dtype, device), zeroed_pool(shape, kv_dtype, device))
-        self.forward = DecodeForward(model, [attn.k_cache for attn in layers], [attn.v_cache for attn in layers], compile)
+        self.forward = DecodeForward(model, [attn.k_cache for attn in layers], [attn.v_cache for attn in layers], compile, background)
         self.sampler = Sampler()
 
     def prepare(self, batch: ScheduledBatch) -> ModelInput:

