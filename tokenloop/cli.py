@@ -24,7 +24,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--stats", action="store_true", help="print prompt and decode tokens/s")
+    _add_threads_arg(p)
     _add_compile_arg(p)
+
+
+def _add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for the model (default: torch's, one per physical core)")
 
 
 def _add_compile_arg(p: argparse.ArgumentParser) -> None:
@@ -48,7 +53,7 @@ def _sampling_params(args):
 def _llm(args, compile: bool):
     from tokenloop.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, device=args.device, compile=compile)
+    return LLM(args.model, dtype=args.dtype, device=args.device, compile=compile, threads=args.threads)
 
 
 def cmd_generate(args) -> int:
@@ -125,7 +130,7 @@ def cmd_serve(args) -> int:
     engine_config = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, kv_cache_gb=args.kv_cache_gb, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching, compile=args.compile, inject_faults=tuple(args.inject_fault),
+        enable_prefix_caching=not args.no_prefix_caching, compile=args.compile, inject_faults=tuple(args.inject_fault), threads=args.threads,
     )
     limits = AsyncEngineConfig(max_waiting=args.max_waiting, unread_timeout_s=args.unread_timeout, stall_timeout_s=args.stall_timeout)
     config = ServerConfig(
@@ -182,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="torch device (default: the accelerator if any, else the CPU)")
     p.add_argument("--window", type=int, default=512, help="tokens per window; each window is a fresh context")
     p.add_argument("--max-tokens", type=int, default=None, help="score only the text's first N tokens")
+    _add_threads_arg(p)
     p.set_defaults(func=cmd_perplexity)
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     p.add_argument("--model", "-m", default=None, help=f"known name, .gguf file or HF folder (default {store.DEFAULT_MODEL})")
@@ -202,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--unread-timeout", type=float, default=300.0, help="seconds a request paused for a slow reader may wait")
     p.add_argument("--stall-timeout", type=float, default=4.0, help="seconds without a step after which /health says 503")
     p.add_argument("--inject-fault", action="append", default=[], help=argparse.SUPPRESS)  # tests: STAGE:TOKEN_ID (engine/faults.py)
+    _add_threads_arg(p)
     _add_compile_arg(p)
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("bench", help="tokenloop beside llama.cpp and transformers on the same GGUF (or: bench serve)")

@@ -21,7 +21,7 @@ def test_an_engine_that_fails_reports_its_error(tiny_model_folder):
 def test_the_table_prints_tokenloop_over_peer_ratios():
     cfg = BenchConfig("m.gguf", batch_sizes=(8,))
     ours = EngineResult("tokenloop", decode_tps=20.0, prefill_tps=300.0, ttft_ms=10.0, batch_tps={"8": 80.0}, peak_rss_mib=100.0, weight_bytes=10**8)
-    peer = EngineResult("llama.cpp", decode_tps=10.0, prefill_tps=100.0, ttft_ms=20.0, peak_rss_mib=50.0, weight_bytes=10**8)
+    peer = EngineResult("llama-bench", decode_tps=10.0, prefill_tps=100.0, ttft_ms=20.0, peak_rss_mib=50.0, weight_bytes=10**8)
     table = format_table([ours, peer], cfg, bandwidth=20.0)
     decode = next(line for line in table.splitlines() if line.startswith("single-stream decode"))
     assert decode.split()[-2:] == ["10.0", "2.00x"]

@@ -15,13 +15,15 @@ import resource
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 from tokenloop.bench.serve import DEFAULT_PROMPT
 
-ENGINES = ("tokenloop", "llama.cpp", "transformers")
+# llama-bench: llama.cpp's own C++ (the peer ratios are claimed against); llama-cpp-python: its Python binding,
+# about 16% slower, a reference row.
+ENGINES = ("tokenloop", "llama-bench", "llama-cpp-python", "transformers")
 PROMPT_TOKENS = 64  # the decode and batch prompts: the first tokens of DEFAULT_PROMPT
 
 
@@ -30,11 +32,13 @@ class BenchConfig:
     model: str  # a local .gguf path (llama.cpp and transformers need the file)
     dtype: str = "auto"  # tokenloop's dtype
     compile: bool = True  # tokenloop's compiled decode step
-    threads: int = 2
+    threads: int | None = 2  # None: tokenloop's own choice (one per idle core)
     decode_tokens: int = 128
     prefill_tokens: int = 1024
     batch_sizes: tuple[int, ...] = (8, 32)
     repeats: int = 3  # each timed figure: the best of this many runs
+    llama_cpp_bin: str | None = None  # a folder with llama-bench; None = build it into $TOKENLOOP_HOME/peers
+    decode_only: bool = False  # only the single-stream decode figure (the busy-core row)
 
 
 @dataclass(slots=True)
@@ -46,6 +50,7 @@ class EngineResult:
     batch_tps: dict[str, float] | None = None  # concurrent requests → output tokens/s
     peak_rss_mib: float | None = None
     weight_bytes: int | None = None  # bytes a decode step reads at least
+    busy_decode_tps: float | None = None  # single stream while another process keeps one core busy
     error: str | None = None
 
 
@@ -79,6 +84,8 @@ def _bench_tokenloop(cfg: BenchConfig) -> EngineResult:
 
     prompt = tok.encode(DEFAULT_PROMPT)[:PROMPT_TOKENS]
     decode_tps = max(timed(prompt, greedy).decode_rate for _ in range(cfg.repeats))
+    if cfg.decode_only:
+        return EngineResult("tokenloop", decode_tps)
     prefill_ids = _prefill_prompt(tok.encode, cfg.prefill_tokens)
     prefill_s = min(timed(prefill_ids, SamplingParams(temperature=0, max_tokens=1)).prefill_s for _ in range(cfg.repeats))
     batch = {str(size): max(batch_rate(size) for _ in range(cfg.repeats)) for size in cfg.batch_sizes}
@@ -119,7 +126,19 @@ def _bench_llamacpp(cfg: BenchConfig) -> EngineResult:
     decode_tps = max((n - 1) / decode_s for _, decode_s, n in (timed(prompt, cfg.decode_tokens) for _ in range(cfg.repeats)))
     prefill_ids = _prefill_prompt(lambda s: llm.tokenize(s.encode(), add_bos=False), cfg.prefill_tokens)
     ttft = min(timed(prefill_ids, 1)[0] for _ in range(cfg.repeats))
-    return EngineResult("llama.cpp", decode_tps, cfg.prefill_tokens / ttft, ttft * 1e3, weight_bytes=os.path.getsize(cfg.model))
+    return EngineResult("llama-cpp-python", decode_tps, cfg.prefill_tokens / ttft, ttft * 1e3, weight_bytes=os.path.getsize(cfg.model))
+
+
+def _bench_llama_bench(cfg: BenchConfig) -> EngineResult:
+    from tokenloop.bench.peers import llama_cpp_bin, run_llama_bench
+
+    prefill_tokens = 0 if cfg.decode_only else cfg.prefill_tokens
+    r = run_llama_bench(llama_cpp_bin(cfg.llama_cpp_bin), cfg.model, cfg.threads, prefill_tokens, cfg.decode_tokens, cfg.repeats)
+    if cfg.decode_only:
+        return EngineResult("llama-bench", r.decode_tps)
+    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # llama-bench's own, not this process's
+    print(f"llama-bench: {r.build}", file=sys.stderr)
+    return EngineResult("llama-bench", r.decode_tps, r.prefill_tps, cfg.prefill_tokens / r.prefill_tps * 1e3, peak_rss_mib=rss, weight_bytes=os.path.getsize(cfg.model))
 
 
 def _bench_transformers(cfg: BenchConfig) -> EngineResult:
@@ -179,7 +198,8 @@ def format_table(results: list[EngineResult], cfg: BenchConfig, bandwidth: float
             (f"time to first token ({cfg.prefill_tokens} tokens), ms", lambda r: r.ttft_ms)]
     rows += [(f"{b} concurrent × {cfg.decode_tokens} tokens, tokens/s", lambda r, b=b: (r.batch_tps or {}).get(str(b)))
              for b in cfg.batch_sizes]
-    rows += [("peak RSS, MiB", lambda r: r.peak_rss_mib),
+    rows += [("single-stream decode, one core busy, tokens/s", lambda r: r.busy_decode_tps),
+             ("peak RSS, MiB", lambda r: r.peak_rss_mib),
              (f"decode GB/s (memory copy: {bandwidth:.1f} GB/s)", lambda r: r.decode_tps and r.weight_bytes and r.decode_tps * r.weight_bytes / 1e9)]
     peers = results[1:]
     header = f"{'':48}{'tokenloop':>12}" + "".join(f"{r.engine:>14}{'ratio':>8}" for r in peers)
@@ -193,8 +213,8 @@ def format_table(results: list[EngineResult], cfg: BenchConfig, bandwidth: float
         lines.append(line)
     lines += [f"{r.engine}: {r.error}" for r in results if r.error]
     timing = f"the best of {cfg.repeats} runs" if cfg.repeats > 1 else "one run"
-    lines.append(f"ratio = tokenloop / peer; each timed figure is {timing}. llama-cpp-python runs one request")
-    lines.append("at a time, so it has no batched rows.")
+    lines.append(f"ratio = tokenloop / peer; each timed figure is {timing} (llama-bench: the mean of its {cfg.repeats} repetitions).")
+    lines.append("llama-bench and llama-cpp-python run one sequence at a time, so they have no batched rows.")
     return "\n".join(lines)
 
 
@@ -211,6 +231,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-tokens", type=int, default=1024)
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ", ".join(ENGINES))
     parser.add_argument("--repeats", type=int, default=3, help="each timed figure is the best of this many runs")
+    parser.add_argument("--busy-core", action=argparse.BooleanOptionalAction, default=True, help="also decode while another process keeps one core busy")
+    parser.add_argument("--llama-cpp-bin", default=None, help="a folder with llama.cpp's llama-bench and llama-server (default: built once into $TOKENLOOP_HOME/peers)")
 
 
 def main_from_args(args: argparse.Namespace) -> int:
@@ -218,21 +240,42 @@ def main_from_args(args: argparse.Namespace) -> int:
 
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
-    cfg = BenchConfig(str(resolve(args.model)), args.dtype, args.compile, args.threads, args.decode_tokens, args.prefill_tokens, repeats=args.repeats)
+    cfg = BenchConfig(
+        str(resolve(args.model)), args.dtype, args.compile, args.threads, args.decode_tokens, args.prefill_tokens,
+        repeats=args.repeats, llama_cpp_bin=args.llama_cpp_bin,
+    )
     engines = ["tokenloop"] + [e for e in args.engines.split(",") if e in ENGINES and e != "tokenloop"]
     if cfg.compile:
         build_compiled_package(cfg.model, cfg.dtype)
     results = [run_engine(e, cfg) for e in engines]
+    if args.busy_core:
+        add_busy_core_decode(results, cfg)
     print(format_table(results, cfg, memory_bandwidth_gbs()))
     return 0
 
 
+def add_busy_core_decode(results: list[EngineResult], cfg: BenchConfig) -> None:
+    """Single-stream decode of tokenloop (its default thread choice) and llama-bench (the same -t) while a
+    Python loop keeps one core busy."""
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(1)
+        for r in results:
+            if r.engine in ("tokenloop", "llama-bench") and r.error is None:
+                threads = None if r.engine == "tokenloop" else cfg.threads
+                r.busy_decode_tps = run_engine(r.engine, replace(cfg, threads=threads, decode_only=True)).decode_tps
+    finally:
+        hog.kill()
+
+
 def _child(engine: str, cfg_json: str) -> None:
     cfg = BenchConfig(**{**json.loads(cfg_json), "batch_sizes": tuple(json.loads(cfg_json)["batch_sizes"])})
-    torch.set_num_threads(cfg.threads)
-    bench = {"tokenloop": _bench_tokenloop, "llama.cpp": _bench_llamacpp, "transformers": _bench_transformers}[engine]
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    bench = {"tokenloop": _bench_tokenloop, "llama-bench": _bench_llama_bench, "llama-cpp-python": _bench_llamacpp, "transformers": _bench_transformers}[engine]
     result = bench(cfg)
-    result.peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if result.peak_rss_mib is None:
+        result.peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps(asdict(result)))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import json
 import time
 from collections import Counter
@@ -268,12 +269,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="completions")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--timeout", type=float, default=600, help="time budget for the whole run, in seconds")
+    peers = parser.add_argument_group("peers: start tokenloop's server and each peer in turn on the same GGUF (--base-url is then unused)")
+    peers.add_argument("--peer", default=None, help="comma-separated: llama-server (llama.cpp's C++, -np = concurrency), llama-cpp-python")
+    peers.add_argument("--gguf", default=None, help="the model file the servers load (default: the default model)")
+    peers.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads of every server")
+    peers.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="tokenloop's compiled decode step")
+    peers.add_argument("--llama-cpp-bin", default=None, help="a folder with llama-server (default: built once into $TOKENLOOP_HOME/peers)")
 
 
 def main_from_args(args: argparse.Namespace) -> int:
     """Run the benchmark and print its report; exit status 1 when any request failed."""
     import httpx
 
+    if args.peer:
+        from tokenloop.bench.serve_peers import compare
+        from tokenloop.models.store import resolve
+
+        gguf = str(resolve(args.gguf))
+        bench = ServeBenchConfig(
+            base_url="http://127.0.0.1:8000/v1", model=args.model or gguf, num_requests=args.num_requests, concurrency=args.concurrency,
+            max_tokens=args.max_tokens, endpoint=args.endpoint, timeout_s=args.timeout,
+        )
+        print(compare(gguf, args.peer.split(","), bench, args.threads, args.compile, args.llama_cpp_bin))
+        return 0
     model = args.model
     if model is None:
         try:

@@ -19,6 +19,7 @@ from tokenloop.engine.faults import FaultInjection, InjectedFault
 from tokenloop.engine.model_runner import ModelInput, ModelRunner, StepSamples, kv_bytes_per_block
 from tokenloop.engine.output_processor import CompletionState, OutputProcessor, RequestState
 from tokenloop.engine.scheduler import ScheduledBatch, Scheduler
+from tokenloop.engine.threads import default_threads
 from tokenloop.engine.sequence import Sequence
 from tokenloop.models.loader import load_model
 from tokenloop.outputs import RequestOutput
@@ -64,6 +65,7 @@ class EngineConfig:
     # compiles it first. TOKENLOOP_COMPILE=0 in the environment turns the default off.
     compile: bool = field(default_factory=lambda: compile_by_default())
     compile_in_background: bool = True
+    threads: int | None = None  # CPU threads for the step (torch.set_num_threads); None = one per idle core (engine/threads.py)
     inject_faults: tuple[str, ...] = ()  # tests only: "STAGE:TOKEN_ID" each (engine/faults.py)
 
     def __post_init__(self) -> None:
@@ -76,6 +78,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         if self.device is not None:
             _check_device(self.device)
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise ValueError(f"threads must be an integer >= 1, got {self.threads!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -99,6 +103,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         dtype, device = config.torch_dtype, config.torch_device
+        threads = config.threads if config.threads is not None else default_threads()
+        if threads != torch.get_num_threads():
+            if config.threads is None:
+                logger.info("using %d CPU thread(s): other processes keep the other cores busy (--threads sets it)", threads)
+            torch.set_num_threads(threads)
         loaded = load_model(config.model, dtype, device, keep_quantized=config.dtype == "auto")
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer

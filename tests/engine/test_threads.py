@@ -1,0 +1,30 @@
+"""The default thread count leaves a core that another process keeps busy to that process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tokenloop.engine.threads import default_threads, idle_cores
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs two cores")
+def test_a_core_kept_busy_by_another_process_is_not_used():
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        assert idle_cores() <= torch.get_num_threads() - 0.5
+        assert 1 <= default_threads() <= torch.get_num_threads() - 1
+    finally:
+        hog.kill()
+
+
+def test_an_explicit_thread_count_is_checked(tiny_model_folder):
+    from tokenloop.engine.llm_engine import EngineConfig
+
+    with pytest.raises(ValueError, match="threads must be an integer >= 1"):
+        EngineConfig(str(tiny_model_folder), threads=0)
