@@ -1,7 +1,16 @@
 """tokenloop: a readable autoregressive LLM inference engine on PyTorch."""
 
-from tokenloop.llm import LLM
-from tokenloop.outputs import CompletionOutput, Logprob, RequestOutput
-from tokenloop.sampling.params import SamplingParams
+import os
+
+# OpenMP threads that finish a parallel region spin for the next one, by default for about 300,000 iterations:
+# between a step's kernels they keep the cores from the engine's and the server's own Python, and from other
+# processes. 10,000 spins cover the gap between two kernels of a step and no more. Set before torch loads its
+# OpenMP runtime (it reads the variable once); the caller's own setting wins. `tokenloop bench serve`, 64
+# requests at 32 concurrent: 398 output tokens/s with the default, 481 with this.
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
+from tokenloop.llm import LLM  # noqa: E402
+from tokenloop.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
+from tokenloop.sampling.params import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]

@@ -51,6 +51,7 @@ class EngineResult:
     peak_rss_mib: float | None = None
     weight_bytes: int | None = None  # bytes a decode step reads at least
     busy_decode_tps: float | None = None  # single stream while another process keeps one core busy
+    note: str | None = None  # what ran, printed under the table (a peer's build)
     error: str | None = None
 
 
@@ -137,8 +138,10 @@ def _bench_llama_bench(cfg: BenchConfig) -> EngineResult:
     if cfg.decode_only:
         return EngineResult("llama-bench", r.decode_tps)
     rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # llama-bench's own, not this process's
-    print(f"llama-bench: {r.build}", file=sys.stderr)
-    return EngineResult("llama-bench", r.decode_tps, r.prefill_tps, cfg.prefill_tokens / r.prefill_tps * 1e3, peak_rss_mib=rss, weight_bytes=os.path.getsize(cfg.model))
+    return EngineResult(
+        "llama-bench", r.decode_tps, r.prefill_tps, cfg.prefill_tokens / r.prefill_tps * 1e3, peak_rss_mib=rss,
+        weight_bytes=os.path.getsize(cfg.model), note=f"{r.build}; -t {cfg.threads} -p {cfg.prefill_tokens} -n {cfg.decode_tokens} -r {cfg.repeats}",
+    )
 
 
 def _bench_transformers(cfg: BenchConfig) -> EngineResult:
@@ -212,6 +215,7 @@ def format_table(results: list[EngineResult], cfg: BenchConfig, bandwidth: float
             line += f"{_fmt(theirs):>14}{ratio:>8}"
         lines.append(line)
     lines += [f"{r.engine}: {r.error}" for r in results if r.error]
+    lines += [f"{r.engine}: {r.note}" for r in results if r.note]
     timing = f"the best of {cfg.repeats} runs" if cfg.repeats > 1 else "one run"
     lines.append(f"ratio = tokenloop / peer; each timed figure is {timing} (llama-bench: the mean of its {cfg.repeats} repetitions).")
     lines.append("llama-bench and llama-cpp-python run one sequence at a time, so they have no batched rows.")
