@@ -13,6 +13,10 @@ import time
 
 import torch
 
+# torch's default (one thread per physical core, or what the caller set before loading tokenloop), taken once:
+# an engine's own choice must not lower the next engine's starting point.
+CORES = torch.get_num_threads()
+
 
 def _cpu_times() -> tuple[int, int]:
     """(idle, total) jiffies of all CPUs since boot, from /proc/stat."""
@@ -32,9 +36,8 @@ def idle_cores(sample_s: float = 0.1) -> float:
 
 def default_threads() -> int:
     """torch's default (one thread per physical core), less the cores other processes keep busy."""
-    cores = torch.get_num_threads()
     try:
         idle = idle_cores()
     except (OSError, ValueError, IndexError):  # no /proc/stat: not Linux
-        return cores
-    return max(1, min(cores, round(idle)))
+        return CORES
+    return max(1, min(CORES, round(idle)))
