@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.server.conftest import MODEL_NAME, server_pid_rss_mb
+from tests.server.conftest import server_pid_rss_mb
 from tests.server.test_errors import BAD_REQUESTS, assert_openai_error, assert_still_serves, post
 
 HI = [{"role": "user", "content": "Hi"}]

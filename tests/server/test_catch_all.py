@@ -27,8 +27,8 @@ def test_an_exception_escaping_a_route_is_a_json_500():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=True), base_url="http://app") as client:
             return await client.get("/boom"), await client.get("/fine")
 
-    boom, fine = asyncio.run(scenario())
-    assert boom.status_code == 500 and boom.headers["content-type"] == "application/json"
-    error = boom.json()["error"]
+    failed, served = asyncio.run(scenario())
+    assert failed.status_code == 500 and failed.headers["content-type"] == "application/json"
+    error = failed.json()["error"]
     assert error["type"] == "internal_server_error" and "KeyError" in error["message"]
-    assert fine.status_code == 200 and fine.json() == {"ok": True}
+    assert served.status_code == 200 and served.json() == {"ok": True}

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from http.client import HTTPConnection
 
 import pytest
 
 from tests.server.conftest import MODEL_NAME, start_server, stop_server
-from tests.server.test_errors import assert_openai_error
 
 FAULTS = {"prepare": 397, "sample": 398, "detokenize": 399}
 STALL = 396
@@ -88,8 +88,6 @@ def test_health_is_503_within_5_s_of_a_stuck_step_loop_and_200_after(faulty_serv
         assert http.get("/health").status_code == 200
         with faulty_server.http() as other:
             start = time.monotonic()
-            import threading
-
             done = {}
             thread = threading.Thread(target=lambda: done.setdefault("r", other.post("/v1/completions", json={"prompt": [5, STALL], "max_tokens": 2})))
             thread.start()
