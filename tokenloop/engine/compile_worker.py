@@ -1,4 +1,4 @@
-"""The background compile of the decode step: `python -m tokenloop.engine.compile_worker SPEC_JSON`.
+"""The background compile of the decode step: `python -m tokenloop.engine.compile_worker SPEC_JSON TARGET`.
 
 A child of an engine that found no package for its model (engine/compiled_decode.py): it loads the same model,
 builds the package into the path the parent expects (under the build lock, so that of two processes that
@@ -16,27 +16,23 @@ import torch
 
 from tokenloop.engine.compiled_decode import CompileSpec, build_package, package_path
 from tokenloop.engine.llm_engine import DTYPES
-from tokenloop.engine.model_runner import zeroed_pool
+from tokenloop.engine.model_runner import ModelRunner
 from tokenloop.models.loader import load_model
 
 
 def main(argv: list[str]) -> int:
-    spec = CompileSpec(**json.loads(argv[0]))
+    spec, target = CompileSpec(**json.loads(argv[0])), argv[1]  # target: the package path the parent expects
     device = torch.device(spec.device)
     loaded = load_model(spec.model, DTYPES[spec.dtype], device, load_tokenizer=False, keep_quantized=spec.keep_quantized)
-    config = loaded.config
-    shape = (config.num_kv_heads, 16, config.head_dim)  # the slot count is dynamic in the package
-    layers = loaded.model.attention_layers()
-    caches = [zeroed_pool(shape, DTYPES[spec.kv_dtype], device) for _ in range(2 * len(layers))]
-    for attn, k, v in zip(layers, caches[: len(layers)], caches[len(layers) :]):
-        attn.bind_cache(k, v)
-    target = package_path(loaded.model, caches)
-    if str(target) != spec.target:  # the parent would never load what this process builds
-        print(f"package key mismatch: the parent expects {spec.target}, this process computes {target}", flush=True)
+    # A runner of one 16-token block binds the caches as the engine's does (the slot count is dynamic in the package).
+    caches = ModelRunner(loaded.model, loaded.config, 1, 16, DTYPES[spec.kv_dtype], device).forward.caches
+    computed = package_path(loaded.model, caches)
+    if str(computed) != target:  # the parent would never load what this process builds
+        print(f"package key mismatch: the parent expects {target}, this process computes {computed}", flush=True)
         return 1
     start = time.perf_counter()
-    built = build_package(loaded.model, caches, Path(spec.target))
-    print(f"{'built' if built else 'found (built by another process)'} {spec.target} in {time.perf_counter() - start:.0f} s", flush=True)
+    built = build_package(loaded.model, caches, Path(target))
+    print(f"{'built' if built else 'found (built by another process)'} {target} in {time.perf_counter() - start:.0f} s", flush=True)
     return 0
 
 

@@ -155,7 +155,6 @@ class CompileSpec:
     device: str
     keep_quantized: bool
     kv_dtype: str  # the KV caches' dtype name
-    target: str  # the package path the parent expects: the child checks that its key gives the same
 
 
 def use_tokenloop_cache_dir() -> None:
@@ -228,13 +227,12 @@ class DecodeForward:
 def _start_worker(spec: CompileSpec, target: Path) -> subprocess.Popen:
     """The background build: a child at the lowest CPU priority, on one thread, in a session of its own (it
     outlives a one-shot command, so that the next start finds the package)."""
-    spec.target = str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     log = target.with_suffix(".log")
     env = os.environ | {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     with open(log, "ab") as out:
         worker = subprocess.Popen(
-            [sys.executable, "-m", "tokenloop.engine.compile_worker", json.dumps(asdict(spec))],
+            [sys.executable, "-m", "tokenloop.engine.compile_worker", json.dumps(asdict(spec)), str(target)],
             stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env, start_new_session=True, preexec_fn=lambda: os.nice(19),
         )
     logger.info("compiling the decode step in the background (%s); running eager until it is ready. Log: %s", BUILD_MINUTES_HINT, log)

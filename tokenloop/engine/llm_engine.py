@@ -63,7 +63,7 @@ class EngineConfig:
     # Decode steps run as one compiled C++ call (engine/compiled_decode.py), cached under $TOKENLOOP_HOME/compiled.
     # A start without the package runs eager while a child process compiles it (compile_in_background), or
     # compiles it first. TOKENLOOP_COMPILE=0 in the environment turns the default off.
-    compile: bool = field(default_factory=lambda: compile_by_default())
+    compile: bool = field(default_factory=compile_by_default)
     compile_in_background: bool = True
     threads: int | None = None  # CPU threads for the step (torch.set_num_threads); None = one per idle core (engine/threads.py)
     inject_faults: tuple[str, ...] = ()  # tests only: "STAGE:TOKEN_ID" each (engine/faults.py)
@@ -121,7 +121,7 @@ class LLMEngine:
         if config.compile and config.compile_in_background:
             background = CompileSpec(
                 str(loaded.path), str(dtype).removeprefix("torch."), str(device), config.dtype == "auto",
-                str(config.kv_cache_dtype).removeprefix("torch."), target="",
+                str(config.kv_cache_dtype).removeprefix("torch."),
             )
         self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, config.kv_cache_dtype, device, config.compile, background)
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)

@@ -326,16 +326,17 @@ def _openapi(app: FastAPI, bounds: dict[str, int], max_model_len: int, vocab_siz
     return app.openapi_schema
 
 
+def _subschemas(schema: dict, want) -> list[dict]:
+    """The schemas inside a property's schema (itself, its anyOf branches, array items) for which want() holds."""
+    found = [schema] if want(schema) else []
+    for sub in schema.get("anyOf", []) + ([schema["items"]] if "items" in schema else []):
+        found += _subschemas(sub, want)
+    return found
+
+
 def _integer_schemas(schema: dict) -> list[dict]:
-    """The integer schemas inside a property's schema (through anyOf and array items)."""
-    if schema.get("type") == "integer":
-        return [schema]
-    found = [s for sub in schema.get("anyOf", []) for s in _integer_schemas(sub)]
-    return found + (_integer_schemas(schema["items"]) if "items" in schema else [])
+    return _subschemas(schema, lambda s: s.get("type") == "integer")
 
 
 def _token_lists(schema: dict) -> list[dict]:
-    """The array-of-integer schemas inside a property's schema."""
-    if schema.get("type") == "array" and schema.get("items", {}).get("type") == "integer":
-        return [schema]
-    return [s for sub in schema.get("anyOf", []) + ([schema["items"]] if "items" in schema else []) for s in _token_lists(sub)]
+    return _subschemas(schema, lambda s: s.get("type") == "array" and s.get("items", {}).get("type") == "integer")
