@@ -29,7 +29,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_threads_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for the model (default: torch's, one per physical core)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for the model (default: one per core that is idle at start)")
 
 
 def _add_compile_arg(p: argparse.ArgumentParser) -> None:
@@ -150,7 +150,12 @@ def cmd_models(args) -> int:
 
 
 def cmd_pull(args) -> int:
-    print(store.pull(args.name))
+    path = store.pull(args.name)
+    if args.compile:  # the kernels and the decode package too, so that the first generate starts on the fast path
+        from tokenloop.engine.llm_engine import EngineConfig, LLMEngine
+
+        LLMEngine(EngineConfig(model=str(path), kv_cache_gb=0.01, compile=True, compile_in_background=False))
+    print(path)
     return 0
 
 
@@ -219,8 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     serve_bench.add_arguments(p)
     p.set_defaults(func=serve_bench.main_from_args)
     sub.add_parser("models", help="list known models").set_defaults(func=cmd_models)
-    p = sub.add_parser("pull", help="fetch a known model into the local store")
+    p = sub.add_parser("pull", help="fetch a known model into the local store, and compile its decode step")
     p.add_argument("name")
+    _add_compile_arg(p)
     p.set_defaults(func=cmd_pull)
     args = parser.parse_args(argv)
     if args.command != "serve":  # (serve logs everything its own way)

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tokenloop.engine.async_engine import AsyncEngine, AsyncEngineConfig, EngineBusy, EngineDraining, RequestFailed
-from tokenloop.engine.llm_engine import EngineConfig, LLMEngine
+from tokenloop.engine.llm_engine import EngineConfig
 from tokenloop.sampling.params import SamplingParams
 
 PARAMS = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
@@ -21,7 +21,7 @@ def make_engine(tiny_model_folder):
     engines = []
 
     def make(**limits) -> AsyncEngine:
-        engines.append(AsyncEngine(LLMEngine(EngineConfig(str(tiny_model_folder), dtype="float32", device="cpu", kv_cache_gb=0.01)), config=AsyncEngineConfig(**limits)))
+        engines.append(AsyncEngine(EngineConfig(str(tiny_model_folder), dtype="float32", device="cpu", kv_cache_gb=0.01), config=AsyncEngineConfig(**limits)))
         return engines[-1]
 
     yield make

@@ -126,23 +126,31 @@ def test_compiled_decode_gives_the_eager_greedy_tokens_from_one_package(tiny_q4_
     assert_same_greedy_tokens(again, eager, SINGLE)
 
 
-def test_an_engine_with_compile_gives_eager_tokens_and_a_later_start_never_imports_the_compiler(tiny_model_folder, tiny_llm, builds, tmp_path):
-    from tokenloop import LLM
+def test_pull_compiles_the_package_that_an_engine_then_runs_to_eager_tokens_and_a_later_start_never_imports_the_compiler(
+    tiny_model_folder, builds, tmp_path, monkeypatch, capsys
+):
+    from tokenloop import LLM, cli
+    from tokenloop.models import store
 
-    llm = LLM(tiny_model_folder, dtype="float32", device="cpu", kv_cache_gb=0.01, compile=True, compile_in_background=False)
-    assert llm.llm_engine.runner.forward.compiled is not None and len(builds) == 1
+    monkeypatch.setattr(store, "pull", lambda name: tiny_model_folder)  # the fetch: a known model's file is a download
+    assert cli.main(["pull", "tiny", "--compile"]) == 0 and len(builds) == 1  # (the suite's default is eager)
+    assert capsys.readouterr().out.strip() == str(tiny_model_folder)
+    llm = LLM(tiny_model_folder, device="cpu", kv_cache_gb=0.01, compile=True)  # the defaults pull compiled for
+    forward = llm.llm_engine.runner.forward
+    assert forward.compiled is not None and not forward.built and len(builds) == 1
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = ["Hello world", "The quick brown fox", "def main():"]
     batch = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     single = llm.generate(prompts[1], params, use_tqdm=False)[0].outputs[0].token_ids
-    eager = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, params, use_tqdm=False)]
+    eager_llm = LLM(tiny_model_folder, device="cpu", kv_cache_gb=0.01, compile=False)
+    eager = [o.outputs[0].token_ids for o in eager_llm.generate(prompts, params, use_tqdm=False)]
     assert batch == eager and single == eager[1]
 
     # A fresh process with the package cached: it loads the package and runs it, without torch's compiler.
     script = f"""
 import sys
 from tokenloop import LLM, SamplingParams
-llm = LLM({str(tiny_model_folder)!r}, dtype="float32", device="cpu", kv_cache_gb=0.01, compile=True)
+llm = LLM({str(tiny_model_folder)!r}, device="cpu", kv_cache_gb=0.01, compile=True)
 forward = llm.llm_engine.runner.forward
 out = llm.generate({prompts[1]!r}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
 print(forward.built, forward.compiled is not None, "torch._dynamo" in sys.modules, "torch._inductor" in sys.modules)
@@ -169,6 +177,8 @@ llm.llm_engine.runner.forward.worker.wait()
     llm = LLM(tiny_model_folder, dtype="float32", device="cpu", kv_cache_gb=0.01, compile=True)
     forward = llm.llm_engine.runner.forward
     assert forward.worker is not None and forward.compiled is None  # eager at once, the build in a child
+    threads = llm.llm_engine._threads_after_compile  # None: the engine had one core to start with
+    assert threads is None or torch.get_num_threads() == threads - 1  # a core left to the build meanwhile
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = ["Hello world", "The quick brown fox", "def main():"]
     engine = llm.llm_engine
@@ -182,6 +192,7 @@ llm.llm_engine.runner.forward.worker.wait()
             last[out.request_id] = out
         steps_eager += forward.compiled is None
     assert forward.compiled is not None and steps_eager == 4  # the first step after the build ended ran the package
+    assert threads is None or torch.get_num_threads() == threads  # and the core is back
     eager = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, params, use_tqdm=False)]
     assert [last[i].outputs[0].token_ids for i in ids] == eager
     assert other.wait(timeout=300) == 0

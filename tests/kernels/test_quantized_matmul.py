@@ -5,6 +5,10 @@ with torch (equal up to float32 rounding), and close to the float32 product of t
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -103,3 +107,34 @@ def test_bad_shapes_raise_a_clear_error():
         torch.ops.tokenloop.q4_matmul(torch.randn(1, 64), packed, scale, offset[:, :1].contiguous())
     with pytest.raises(RuntimeError, match="K must be a multiple of 32, got 2K = 96"):
         torch.ops.tokenloop.q4_swiglu_matmul(torch.randn(1, 96), packed, scale, offset)
+
+
+def isa_outputs() -> list[torch.Tensor]:
+    """The three products on fixed random inputs (tiles of 1 to 4 rows, 4-bit and 8-bit weights)."""
+    gen = torch.Generator().manual_seed(7)
+    linear, _ = random_q4(40, 192, gen)
+    x, gate_up = torch.randn(7, 192, generator=gen), torch.randn(7, 384, generator=gen)
+    head = Int8Embedding(40, 192)
+    head.load_rows(slice(None), Int8Tensor(torch.randint(-128, 128, (40, 192), dtype=torch.int8, generator=gen), torch.rand(40, 6, generator=gen).half()))
+    return [
+        q4_matmul(x, linear),
+        torch.ops.tokenloop.q4_swiglu_matmul(gate_up, linear.qweight, linear.scales, linear.offsets),
+        torch.ops.tokenloop.q8_matmul(x, head.qweight, head.scales),
+    ]
+
+
+@pytest.mark.skipif(kernels._cxx_flags() == kernels.CXX_FLAGS, reason="this CPU has no AVX512-VNNI: the AVX2 build is the only one")
+def test_the_avx512_vnni_build_gives_the_avx2_builds_floats(tmp_path):
+    # The AVX2 build runs in a child: one process can register the ops once.
+    child = f"""
+import sys, torch
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from tokenloop import kernels
+kernels._cxx_flags = lambda: kernels.CXX_FLAGS
+assert kernels.cpu_kernels_available()
+import test_quantized_matmul
+torch.save(test_quantized_matmul.isa_outputs(), {str(tmp_path / "avx2.pt")!r})
+"""
+    subprocess.run([sys.executable, "-c", child], check=True, capture_output=True)
+    for avx2, vnni in zip(torch.load(tmp_path / "avx2.pt"), isa_outputs(), strict=True):
+        assert torch.equal(avx2, vnni)

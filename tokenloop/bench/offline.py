@@ -196,29 +196,33 @@ def memory_bandwidth_gbs() -> float:
 
 def format_table(results: list[EngineResult], cfg: BenchConfig, bandwidth: float) -> str:
     ours = results[0]
-    rows = [("single-stream decode, tokens/s", lambda r: r.decode_tps),
-            (f"prefill of {cfg.prefill_tokens} tokens, tokens/s", lambda r: r.prefill_tps),
-            (f"time to first token ({cfg.prefill_tokens} tokens), ms", lambda r: r.ttft_ms)]
-    rows += [(f"{b} concurrent × {cfg.decode_tokens} tokens, tokens/s", lambda r, b=b: (r.batch_tps or {}).get(str(b)))
+    # (label, tokenloop's figure, the peer's figure); the peers decode one sequence at a time, so a batched row
+    # sets tokenloop's batch against the peer's single stream: what the peer gives that many users, one by one.
+    rows = [("single-stream decode, tokens/s", lambda r: r.decode_tps, lambda r: r.decode_tps),
+            (f"prefill of {cfg.prefill_tokens} tokens, tokens/s", lambda r: r.prefill_tps, lambda r: r.prefill_tps),
+            (f"time to first token ({cfg.prefill_tokens} tokens), ms", lambda r: r.ttft_ms, lambda r: r.ttft_ms)]
+    rows += [(f"{b} concurrent × {cfg.decode_tokens} tokens, tokens/s", lambda r, b=b: (r.batch_tps or {}).get(str(b)), lambda r: r.decode_tps)
              for b in cfg.batch_sizes]
-    rows += [("single-stream decode, one core busy, tokens/s", lambda r: r.busy_decode_tps),
-             ("peak RSS, MiB", lambda r: r.peak_rss_mib),
-             (f"decode GB/s (memory copy: {bandwidth:.1f} GB/s)", lambda r: r.decode_tps and r.weight_bytes and r.decode_tps * r.weight_bytes / 1e9)]
+    gbs = lambda r: r.decode_tps and r.weight_bytes and r.decode_tps * r.weight_bytes / 1e9  # noqa: E731
+    rows += [("single-stream decode, one core busy, tokens/s", lambda r: r.busy_decode_tps, lambda r: r.busy_decode_tps),
+             ("peak RSS, MiB", lambda r: r.peak_rss_mib, lambda r: r.peak_rss_mib),
+             (f"decode GB/s (memory copy: {bandwidth:.1f} GB/s)", gbs, gbs)]
     peers = results[1:]
-    header = f"{'':48}{'tokenloop':>12}" + "".join(f"{r.engine:>14}{'ratio':>8}" for r in peers)
+    widths = [max(14, len(r.engine) + 2) for r in peers]
+    header = f"{'':48}{'tokenloop':>12}" + "".join(f"{r.engine:>{w}}{'ratio':>8}" for r, w in zip(peers, widths))
     lines = [f"tokenloop bench: {os.path.basename(cfg.model)}, dtype {cfg.dtype}, {cfg.threads} threads", header]
-    for label, get in rows:
+    for label, get, get_peer in rows:
         line = f"{label:48}{_fmt(get(ours)):>12}"
-        for r in peers:
-            mine, theirs = get(ours), get(r)
+        for r, w in zip(peers, widths):
+            mine, theirs = get(ours), get_peer(r)
             ratio = f"{mine / theirs:.2f}x" if mine and theirs else "-"
-            line += f"{_fmt(theirs):>14}{ratio:>8}"
+            line += f"{_fmt(theirs):>{w}}{ratio:>8}"
         lines.append(line)
     lines += [f"{r.engine}: {r.error}" for r in results if r.error]
     lines += [f"{r.engine}: {r.note}" for r in results if r.note]
     timing = f"the best of {cfg.repeats} runs" if cfg.repeats > 1 else "one run"
     lines.append(f"ratio = tokenloop / peer; each timed figure is {timing} (llama-bench: the mean of its {cfg.repeats} repetitions).")
-    lines.append("llama-bench and llama-cpp-python run one sequence at a time, so they have no batched rows.")
+    lines.append("The peers run one sequence at a time: a concurrent row's peer figure is its single-stream decode.")
     return "\n".join(lines)
 
 

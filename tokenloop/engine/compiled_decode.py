@@ -26,6 +26,7 @@ import hashlib
 import json
 import logging
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -224,16 +225,27 @@ class DecodeForward:
         return self.model(input_ids, positions, meta)
 
 
+# The background build's address space, and that of each compiler it runs: SmolLM2's build peaked at 1.2 GiB
+# (728 MiB resident), its C++ compile at 540 MiB. A build that needs more than this fails, and the engine says so
+# and stays eager, rather than let a background job take the machine's memory.
+WORKER_ADDRESS_SPACE_BYTES = 4 << 30
+
+
+def _lower_priority_and_bound_memory() -> None:
+    os.nice(19)
+    resource.setrlimit(resource.RLIMIT_AS, (WORKER_ADDRESS_SPACE_BYTES, WORKER_ADDRESS_SPACE_BYTES))
+
+
 def _start_worker(spec: CompileSpec, target: Path) -> subprocess.Popen:
-    """The background build: a child at the lowest CPU priority, on one thread, in a session of its own (it
-    outlives a one-shot command, so that the next start finds the package)."""
+    """The background build: a child at the lowest CPU priority, on one thread, its memory bounded, in a session
+    of its own (it outlives a one-shot command, so that the next start finds the package)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     log = target.with_suffix(".log")
     env = os.environ | {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     with open(log, "ab") as out:
         worker = subprocess.Popen(
             [sys.executable, "-m", "tokenloop.engine.compile_worker", json.dumps(asdict(spec)), str(target)],
-            stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env, start_new_session=True, preexec_fn=lambda: os.nice(19),
+            stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env, start_new_session=True, preexec_fn=_lower_priority_and_bound_memory,
         )
     logger.info("compiling the decode step in the background (%s); running eager until it is ready. Log: %s", BUILD_MINUTES_HINT, log)
     return worker

@@ -124,6 +124,12 @@ class LLMEngine:
                 str(config.kv_cache_dtype).removeprefix("torch."),
             )
         self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, config.kv_cache_dtype, device, config.compile, background)
+        # While the background compile runs it takes a core: a step on every core would wait for the one it shares
+        # (SmolLM2's eager decode on 2 cores fell from 102 to 39 tokens/s; on one thread it kept 93).
+        self._threads_after_compile: int | None = None
+        if self.runner.forward.worker is not None and config.threads is None and threads > 1:
+            self._threads_after_compile = threads
+            torch.set_num_threads(threads - 1)
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, RequestState] = {}
         self._by_seq: dict[str, tuple[RequestState, CompletionState]] = {}  # running completions by sequence id
@@ -241,6 +247,9 @@ class LLMEngine:
         that request alone, with an output whose `error` is set; the step goes on for the others. Only a
         failed forward pass, which no single request can be blamed for, fails every request of the batch.
         """
+        if self._threads_after_compile is not None and self.runner.forward.worker is None:  # the compile has ended
+            torch.set_num_threads(self._threads_after_compile)
+            self._threads_after_compile = None
         batch = self.scheduler.schedule()
         if not batch:
             return []

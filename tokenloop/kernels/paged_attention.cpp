@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "kv_cache.h"
+#include "parallel.h"
 
 namespace {
 
@@ -146,7 +147,7 @@ template <typename T>
 void decode_attention(const float* q, const T* k_cache, const T* v_cache, const int64_t* key_slots, const bool* mask, float* out,
                       int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t slots, int64_t head_dim, int64_t context, float scale) {
   const int64_t group = q_heads / kv_heads;
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_chunks(batch * kv_heads, chunk_size(batch * kv_heads, 1, 4), [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scores;
     thread_local std::vector<const T*> keys, values;
     scores.resize(group * context);

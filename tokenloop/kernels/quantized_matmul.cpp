@@ -21,6 +21,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "parallel.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -101,7 +103,7 @@ Activations quantize_rows(const at::Tensor& x) {
   int8_t* qp = q_buffer.data();
   float* sp = scale_buffer.data();
   float* up = sp + m * groups;
-  at::parallel_for(0, m * groups, 64, [&](int64_t begin, int64_t end) {
+  parallel_chunks(m * groups, chunk_size(m * groups, 64), [&](int64_t begin, int64_t end) {
     alignas(32) float swiglu[kBlock];
     for (int64_t b = begin; b < end; ++b) {
       const float* v = xp + (b / groups) * x.size(1) + (b % groups) * kBlock;
@@ -129,22 +131,56 @@ inline __m256i broadcast_4_bytes(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+// A block's integer dot products for one activation row, one int32 per lane (pairs of unsigned × signed bytes,
+// summed exactly: no pair can saturate). AVX512-VNNI's vpdpbusd multiplies and sums 4 byte pairs into an int32
+// lane in one instruction, where AVX2 needs vpmaddubsw, a widening vpmaddwd and an add: at 32 rows and more the
+// kernel is bound by these instructions, not by memory, and VNNI takes a fifth off q4's time and a third off
+// q8's. The same integers either way, so the same floats.
+#ifdef __AVX512VNNI__
+struct Q4Dot {
+  // Two accumulators, so that consecutive vpdpbusd (latency 4) do not wait for each other.
+  __m256i low = _mm256_setzero_si256(), high = _mm256_setzero_si256();
+  void add(__m256i w_low, __m256i x_low, __m256i w_high, __m256i x_high) {
+    low = _mm256_dpbusd_epi32(low, w_low, x_low), high = _mm256_dpbusd_epi32(high, w_high, x_high);
+  }
+  __m256 floats() const { return _mm256_cvtepi32_ps(_mm256_add_epi32(low, high)); }
+};
+struct Q8Dot {
+  __m256i sum = _mm256_setzero_si256();
+  void add(__m256i w, __m256i x) { sum = _mm256_dpbusd_epi32(sum, w, x); }
+  __m256 floats() const { return _mm256_cvtepi32_ps(sum); }
+};
+#else
+inline __m256i widen_pairs(__m256i int16) { return _mm256_madd_epi16(int16, _mm256_set1_epi16(1)); }
+// A block's 8 products per lane fit int16 (8 * 2 * 15 * 127 < 32767): summed there, widened once per block.
+struct Q4Dot {
+  __m256i sum = _mm256_setzero_si256();
+  void add(__m256i w_low, __m256i x_low, __m256i w_high, __m256i x_high) {
+    sum = _mm256_add_epi16(sum, _mm256_add_epi16(_mm256_maddubs_epi16(w_low, x_low), _mm256_maddubs_epi16(w_high, x_high)));
+  }
+  __m256 floats() const { return _mm256_cvtepi32_ps(widen_pairs(sum)); }
+};
+// q8's pairs can reach 2 * 128 * 127: widened every chunk.
+struct Q8Dot {
+  __m256i sum = _mm256_setzero_si256();
+  void add(__m256i w, __m256i x) { sum = _mm256_add_epi32(sum, widen_pairs(_mm256_maddubs_epi16(w, x))); }
+  __m256 floats() const { return _mm256_cvtepi32_ps(sum); }
+};
+#endif
+
 // q4: kRows activation rows against one group of 8 interleaved weight rows (see the layout above), 8 outputs
-// per activation row. One vpmaddubsw multiplies 4 weights of each of the 8 rows by the same 4 activations,
+// per activation row. One multiply-add multiplies 4 weights of each of the 8 rows by the same 4 activations,
 // so its lanes are already per weight row: no horizontal sums, and each weight byte is unpacked once for all
-// kRows rows. A block's 8 products per lane fit int16 (8 * 2 * 15 * 127 < 32767), so they are summed there
-// and widened once per block.
+// kRows rows.
 template <int kRows>
 void q4_rows(const Activations& x, const uint8_t* weight, const uint16_t* scale, const uint16_t* offset, float* y, int64_t y_stride) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < x.groups; ++g) {
     const uint8_t* wb = weight + g * kQ4GroupBytes;
     prefetch_ahead(wb, kQ4GroupBytes);
-    __m256i sum[kRows];
-    for (int r = 0; r < kRows; ++r) sum[r] = _mm256_setzero_si256();
+    Q4Dot dot[kRows];
     // Not unrolled: unrolled, gcc computes all 32 products of a 4-row tile before summing any and spills them.
 #pragma GCC unroll 1
     for (int p = 0; p < 4; ++p) {
@@ -153,14 +189,12 @@ void q4_rows(const Activations& x, const uint8_t* weight, const uint16_t* scale,
       const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);  // weights 16+4p .. 16+4p+3
       for (int r = 0; r < kRows; ++r) {
         const int8_t* xb = x.q + r * x.k + g * kBlock;
-        sum[r] = _mm256_add_epi16(sum[r], _mm256_add_epi16(_mm256_maddubs_epi16(low, broadcast_4_bytes(xb + 4 * p)),
-                                                           _mm256_maddubs_epi16(high, broadcast_4_bytes(xb + 16 + 4 * p))));
+        dot[r].add(low, broadcast_4_bytes(xb + 4 * p), high, broadcast_4_bytes(xb + 16 + 4 * p));
       }
     }
     const __m256 d = load_halves(scale + g * 8), m = load_halves(offset + g * 8);
     for (int r = 0; r < kRows; ++r) {
-      const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r], ones));
-      acc[r] = _mm256_fmadd_ps(dots, _mm256_mul_ps(d, _mm256_set1_ps(x.scale[r * x.groups + g])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(dot[r].floats(), _mm256_mul_ps(d, _mm256_set1_ps(x.scale[r * x.groups + g])), acc[r]);
       acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.sum[r * x.groups + g]), acc[r]);
     }
   }
@@ -181,41 +215,35 @@ inline void for_row_tiles(const Activations& x, int64_t m, Fn&& rows) {
   }
 }
 
-// q8: as q4, with 8 chunks of signed bytes per block. vpmaddubsw multiplies unsigned by signed bytes, so w's
-// sign moves onto x; its pairs of products can reach 2 * 128 * 127, so they are widened to int32 every chunk.
+// q8: as q4, with 8 chunks of signed bytes per block. The multiply-adds take unsigned by signed bytes, so w's
+// sign moves onto x (pairs up to 2 * 128 * 127).
 template <int kRows>
 void q8_rows(const Activations& x, const int8_t* weight, const uint16_t* scale, float* y, int64_t y_stride) {
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < x.groups; ++g) {
     const int8_t* wb = weight + g * kQ8GroupBytes;
     prefetch_ahead(wb, kQ8GroupBytes);
-    __m256i sum[kRows];
-    for (int r = 0; r < kRows; ++r) sum[r] = _mm256_setzero_si256();
+    Q8Dot dot[kRows];
     for (int c = 0; c < 8; ++c) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
       const __m256i w_abs = _mm256_sign_epi8(w, w);
-      for (int r = 0; r < kRows; ++r) {
-        const __m256i xb = _mm256_sign_epi8(broadcast_4_bytes(x.q + r * x.k + g * kBlock + 4 * c), w);
-        sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, xb), ones));
-      }
+      for (int r = 0; r < kRows; ++r) dot[r].add(w_abs, _mm256_sign_epi8(broadcast_4_bytes(x.q + r * x.k + g * kBlock + 4 * c), w));
     }
     const __m256 d = load_halves(scale + g * 8);
-    for (int r = 0; r < kRows; ++r)
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(d, _mm256_set1_ps(x.scale[r * x.groups + g])), acc[r]);
+    for (int r = 0; r < kRows; ++r) acc[r] = _mm256_fmadd_ps(dot[r].floats(), _mm256_mul_ps(d, _mm256_set1_ps(x.scale[r * x.groups + g])), acc[r]);
   }
   for (int r = 0; r < kRows; ++r) _mm256_storeu_ps(y + r * y_stride, acc[r]);
 }
 
-// y [m, row_groups * 8] = x W^T, in parallel over groups of 8 weight rows, each against every activation row.
-// Activation rows go in blocks of about 16 KiB, each block against all of a thread's weight rows, so that
+// y [m, row_groups * 8] = x W^T, in parallel over chunks of groups of 8 weight rows, each against every activation row.
+// Activation rows go in blocks of about 16 KiB, each block against all of a chunk's weight rows, so that
 // the block stays in L1 while the weights stream through (prefill: about 9% less time at 1,024 rows).
 template <typename Rows>
 void matmul_row_groups(const Activations& x, int64_t m, int64_t row_groups, float* y, Rows&& rows) {
   const int64_t n = row_groups * 8;
   const int64_t block_rows = std::max<int64_t>(4, 16384 / x.k / 4 * 4);
-  at::parallel_for(0, row_groups, 4, [&](int64_t begin, int64_t end) {
+  parallel_chunks(row_groups, chunk_size(row_groups, 4), [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < m; r0 += block_rows) {
       const Activations block{x.q + r0 * x.k, x.scale + r0 * x.groups, x.sum + r0 * x.groups, x.k, x.groups};
       for (int64_t rg = begin; rg < end; ++rg)

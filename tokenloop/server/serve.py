@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import uvicorn
 
 from tokenloop.engine.async_engine import AsyncEngine, AsyncEngineConfig
-from tokenloop.engine.llm_engine import EngineConfig, LLMEngine
+from tokenloop.engine.llm_engine import EngineConfig
 from tokenloop.server.app import DEFAULT_MAX_N, build_app
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class _DrainingServer(uvicorn.Server):
 
 def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = AsyncEngine(LLMEngine(engine_config), config=config.limits)
+    engine = AsyncEngine(engine_config, config=config.limits)
     app = build_app(engine, config.model_name, config.api_key, config.max_n)
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level="info",
