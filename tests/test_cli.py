@@ -76,7 +76,7 @@ def test_a_first_generate_says_what_it_waits_for_on_stderr_and_prints_only_text_
     if (tokenloop_home() / "kernels").is_dir():  # the kernels' own 20-80 s build is not what this test is about
         shutil.copytree(tokenloop_home() / "kernels", home / "kernels")
     env = os.environ | {"TOKENLOOP_HOME": str(home), "TOKENLOOP_COMPILE": "1"}
-    cmd = [sys.executable, "-m", "tokenloop.cli", "generate", "Hello world", "--model", str(tiny_model_folder), "--dtype", "float32", "--max-tokens", "6"]
+    cmd = [sys.executable, "-m", "tokenloop.cli", "generate", "Hello world", "--model", str(tiny_model_folder), "--dtype", "float32", "--max-tokens", "6", "-t", "0"]
     with open(tmp_path / "out.txt", "w") as out:
         first = subprocess.run(cmd, stdout=out, stderr=subprocess.PIPE, text=True, env=env, timeout=300)
     assert first.returncode == 0, first.stderr
@@ -92,3 +92,37 @@ def test_a_first_generate_says_what_it_waits_for_on_stderr_and_prints_only_text_
         time.sleep(1)
     later = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert later.returncode == 0 and later.stdout == text and "compiling" not in later.stderr
+
+
+def test_generate_takes_every_logits_processor_as_a_flag(tiny_model_folder, capsys):
+    from tokenloop import LLM, SamplingParams
+
+    args = ["generate", "Hello world", "--model", str(tiny_model_folder), "--dtype", "float32", "--max-tokens", "6", "-t", "0"]
+    assert main(args + ["--logit-bias", "7=100", "--repetition-penalty", "1", "--no-repeat-ngram-size", "0"]) == 0
+    token = LLM(tiny_model_folder, dtype="float32", device="cpu", kv_cache_gb=0.01).get_tokenizer().decode([7] * 6)
+    assert capsys.readouterr().out == token + "\n"
+    assert main(args + ["--logit-bias", "7:100"]) == 2 and "--logit-bias takes TOKEN_ID=BIAS" in capsys.readouterr().err
+    assert main(args + ["--min-tokens", "9"]) == 2 and "min_tokens" in capsys.readouterr().err
+    assert SamplingParams().repetition_penalty == 1.0  # the API's defaults stay neutral; only the CLI's are tuned
+
+
+def test_ctrl_c_during_a_chat_reply_stops_that_reply_and_the_chat_goes_on(tiny_model_folder, capsys, monkeypatch):
+    from tokenloop import cli
+    from tokenloop.engine import streaming
+
+    engines, real_stream = [], streaming.stream
+
+    def interrupted_first_reply(engine, prompt, params, stats):
+        engines.append(engine)
+        for i, delta in enumerate(real_stream(engine, prompt, params, stats)):
+            if len(engines) == 1 and i == 1:
+                raise KeyboardInterrupt  # as Ctrl-C lands in the reply's loop
+            yield delta
+
+    monkeypatch.setattr(streaming, "stream", interrupted_first_reply)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello\nAnd then?\n/exit\n"))
+    assert cli.main(["chat", "--model", str(tiny_model_folder), "--max-tokens", "8", "--min-tokens", "8", "--stats"]) == 0
+    err = capsys.readouterr().err
+    assert "[stopped]" in err and len(engines) == 2 and not engines[0].has_unfinished_requests()
+    stats = [line for line in err.splitlines() if line.startswith("prompt:")]
+    assert len(stats) == 2 and "decode: 8 tokens" not in stats[0] and "decode: 8 tokens" in stats[1]  # the next turn, whole

@@ -17,10 +17,19 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--device", default=None, help="torch device (default: the accelerator if any, else the CPU)")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
+    # llama.cpp's sampling defaults, and ollama's repeat penalty: greedy decoding of a small model loops (SmolLM2
+    # repeated one sentence to the length limit, and "I am a British man." in chat).
+    p.add_argument("--temperature", "-t", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=40, help="-1 = off (default 40)")
+    p.add_argument("--top-p", type=float, default=0.95, help="1 = off (default 0.95)")
+    p.add_argument("--min-p", type=float, default=0.05, help="0 = off (default 0.05)")
+    p.add_argument("--repetition-penalty", type=float, default=1.1, help="transformers' rule over prompt and output; 1 = off (default 1.1)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, over the output (default 0)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, over the output (default 0)")
+    p.add_argument("--no-repeat-ngram-size", type=int, default=0, help="no n-gram of this size twice, prompt included (default 0: off)")
+    p.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop token before this many tokens")
+    p.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN_ID=BIAS", help="added to a token's logit, in [-100, 100] (repeatable)")
+    p.add_argument("--bad-word", action="append", default=[], help="a word never to end the output with (repeatable)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--stats", action="store_true", help="print prompt and decode tokens/s")
@@ -44,9 +53,19 @@ def _add_compile_arg(p: argparse.ArgumentParser) -> None:
 def _sampling_params(args):
     from tokenloop.sampling.params import SamplingParams
 
+    logit_bias = {}
+    for item in args.logit_bias:
+        token, _, bias = item.partition("=")
+        try:
+            logit_bias[int(token)] = float(bias)
+        except ValueError:
+            raise ValueError(f"--logit-bias takes TOKEN_ID=BIAS, got {item!r}") from None
     return SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-        max_tokens=args.max_tokens, stop=args.stop,
+        max_tokens=args.max_tokens, stop=args.stop, repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        no_repeat_ngram_size=args.no_repeat_ngram_size, min_tokens=args.min_tokens, logit_bias=logit_bias or None,
+        bad_words=args.bad_word,
     )
 
 
@@ -77,11 +96,11 @@ def cmd_chat(args) -> int:
     llm = _llm(args, args.compile)
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict[str, str]] = []
-    print("Chat with the model. /reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
+    print("Chat with the model. /reset clears the conversation; Ctrl-C stops a reply; /exit, Ctrl-D or Ctrl-C at the prompt quits.", file=sys.stderr)
     while True:
         try:
             user = input("> ")
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):
             print()
             return 0
         if user.strip() == "/exit":
@@ -95,9 +114,14 @@ def cmd_chat(args) -> int:
         stats = StreamStats()
         reply = ""
         # Earlier turns are still in the prefix cache: only the new turn is prefilled.
-        for delta in stream(llm.llm_engine, llm.chat_prompt(system + history), params, stats):
-            reply += delta
-            print(delta, end="", flush=True)
+        replying = stream(llm.llm_engine, llm.chat_prompt(system + history), params, stats)
+        try:
+            for delta in replying:
+                reply += delta
+                print(delta, end="", flush=True)
+        except KeyboardInterrupt:  # stops this reply (the request is aborted); the conversation goes on
+            replying.close()
+            print(" [stopped]", file=sys.stderr)
         print()
         history.append({"role": "assistant", "content": reply})
         if args.stats:

@@ -20,7 +20,7 @@ def reference(tiny_llm):
 
 
 def make(folder, **engine_args) -> LLM:
-    return LLM(folder, dtype="float32", device="cpu", kv_cache_gb=0.01, **engine_args)
+    return LLM(folder, **({"dtype": "float32", "device": "cpu", "kv_cache_gb": 0.01} | engine_args))
 
 
 def test_prefix_caching_off_gives_the_same_tokens(tiny_model_folder, reference):
@@ -63,3 +63,38 @@ def test_a_request_failing_beside_the_others_changes_none_of_their_tokens(tiny_m
             last[out.request_id] = out
     assert last[victim].error is not None
     assert [last[i].outputs[0].token_ids for i in ids] == reference
+
+
+PENALIZED = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.5,
+                           presence_penalty=0.3, no_repeat_ngram_size=2, logit_bias={7: 2.0}, bad_words=["hello"])
+
+
+@pytest.fixture(scope="module")
+def penalized_reference(tiny_llm):
+    return [o.outputs[0].token_ids for o in tiny_llm.generate(PROMPTS, PENALIZED, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("engine_args", [{"enable_prefix_caching": False}, {"max_num_batched_tokens": 7}, {"kv_blocks": 8}],
+                         ids=["no prefix cache", "chunked", "preempted"])
+def test_logits_processors_give_the_same_tokens_whatever_the_scheduling(tiny_model_folder, tiny_llm, penalized_reference, engine_args):
+    import torch
+
+    from tokenloop.engine.model_runner import kv_bytes_per_block
+
+    if blocks := engine_args.pop("kv_blocks", None):  # a pool too small for the batch: sequences are preempted, recomputed
+        engine = tiny_llm.llm_engine
+        engine_args["kv_cache_gb"] = blocks * kv_bytes_per_block(engine.model_config, engine.config.block_size, torch.float32) / 2**30
+    llm = make(tiny_model_folder, **engine_args)
+    outs = llm.generate(PROMPTS, PENALIZED, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == penalized_reference
+    if blocks:
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_logits_processors_alone_equal_them_inside_a_batch_of_32_with_plain_rows(tiny_llm, penalized_reference, reference):
+    batch = (PROMPTS * 6)[:32]
+    params = [PENALIZED if i % 2 else PARAMS for i in range(32)]
+    together = [o.outputs[0].token_ids for o in tiny_llm.generate(batch, params, use_tqdm=False)]
+    index = {p: i for i, p in enumerate(PROMPTS)}
+    expected = [(penalized_reference if i % 2 else reference)[index[p]] for i, p in enumerate(batch)]
+    assert together == expected and penalized_reference != reference

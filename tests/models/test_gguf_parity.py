@@ -101,3 +101,23 @@ def test_parallel_forward_equals_token_by_token_decode(llm_fp32, default_model_p
     parallel = forward_in_chunks(loaded, token_ids, [64], block_size=16)
     stepwise = forward_in_chunks(loaded, token_ids, [1] * 64, block_size=16)
     torch.testing.assert_close(stepwise, parallel, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("control", [{"repetition_penalty": 1.3}, {"no_repeat_ngram_size": 3}])
+def test_greedy_tokens_with_a_penalty_match_transformers_generate(llm_fp32, hf_reference, control):
+    """transformers' own processors (RepetitionPenaltyLogitsProcessor, NoRepeatNGramLogitsProcessor), prompt
+    included, against ours: the same greedy token ids for chat and raw prompts, batched."""
+    from transformers import GenerationConfig
+
+    hf_model, _ = hf_reference
+    batch = [p for p in prompts(llm_fp32) if len(p["prompt_token_ids"]) <= 2000]
+    assert len(batch) >= 6
+    # min_tokens as transformers' min_new_tokens: EOS banned throughout, on both sides
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, **control)
+    outputs = llm_fp32.generate(batch, params, use_tqdm=False)
+    config = GenerationConfig(do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0, **control)
+    for prompt, out in zip(batch, outputs):
+        ids = torch.tensor([prompt["prompt_token_ids"]])
+        with torch.no_grad():
+            expected = hf_model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)[0, ids.shape[1] :].tolist()
+        assert out.outputs[0].token_ids == expected, prompt.get("prompt", "")[:40]

@@ -118,9 +118,15 @@ LAX = {
     "stop a list of numbers": ("completions", {"prompt": "Hi", "stop": [1]}, "stop"),
     "max_tokens 10^9": ("completions", {"prompt": "Hi", "max_tokens": 10**9}, "max_tokens"),
     "chat max_tokens 10^9": ("chat/completions", {"messages": HI, "max_tokens": 10**9}, "max_tokens"),
-    "logit_bias (not built)": ("completions", {"prompt": "Hi", "logit_bias": {"5": 100}}, "logit_bias"),
     "response_format json (not built)": ("chat/completions", {"messages": HI, "response_format": {"type": "json_object"}}, "response_format"),
-    "presence_penalty (not built)": ("completions", {"prompt": "Hi", "presence_penalty": 0.5}, "presence_penalty"),
+    "logit_bias above 100": ("completions", {"prompt": "Hi", "logit_bias": {"5": 101}}, "logit_bias"),
+    "logit_bias key not a token id": ("completions", {"prompt": "Hi", "logit_bias": {"a": 1}}, "logit_bias"),
+    "logit_bias token outside the vocabulary": ("chat/completions", {"messages": HI, "logit_bias": {"99999999": 1}}, "logit_bias"),
+    "presence_penalty 2.5": ("completions", {"prompt": "Hi", "presence_penalty": 2.5}, "presence_penalty"),
+    "repetition_penalty 0": ("completions", {"prompt": "Hi", "repetition_penalty": 0}, "repetition_penalty"),
+    "min_tokens above max_tokens": ("completions", {"prompt": "Hi", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    "allowed_token_ids outside the vocabulary": ("completions", {"prompt": "Hi", "allowed_token_ids": [99999999]}, "allowed_token_ids"),
+    "bad_words blank": ("completions", {"prompt": "Hi", "bad_words": [" "]}, "bad_words"),
 }
 
 
@@ -136,8 +142,27 @@ def test_non_finite_numbers_are_a_400(http, literal):
 
 
 def test_whole_floats_are_taken_as_integers_and_neutral_values_of_unbuilt_fields_are_served(http):
-    response = post(http, "completions", {"prompt": "Hi", "max_tokens": 3.0, "n": 1.0, "logit_bias": {}, "presence_penalty": 0, "ignore_eos": True})
+    response = post(http, "completions", {"prompt": "Hi", "max_tokens": 3.0, "n": 1.0, "tools": [], "logit_bias": {}, "ignore_eos": True})
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
+
+
+def test_logits_processor_fields_are_honoured(http):
+    def tokens(route, body):
+        response = post(http, route, {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0, **body} if route == "completions"
+                        else {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": True, **body})
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]  # (token, logprob): byte tokens all read "\ufffd", their logprobs differ
+        if route == "completions":
+            return list(zip(choice["logprobs"]["tokens"], choice["logprobs"]["token_logprobs"]))
+        return [(t["token"], t["logprob"]) for t in choice["logprobs"]["content"]]
+
+    plain = tokens("completions", {"prompt": "Hi"})
+    forced = tokens("completions", {"prompt": "Hi", "logit_bias": {"7": 100}})
+    assert forced != plain and len({t for t, _ in forced}) == 1  # one token, chosen at every step
+    assert len({t for t, _ in tokens("chat/completions", {"messages": HI, "allowed_token_ids": [7]})}) == 1
+    two = {"messages": HI, "allowed_token_ids": [7, 9]}
+    assert len({t for t, _ in tokens("chat/completions", two)}) == 1  # greedy: the likelier of the two, every time
+    assert len({t for t, _ in tokens("chat/completions", two | {"frequency_penalty": 2, "presence_penalty": 2})}) == 2  # repeats cost
 
 
 def test_a_request_after_an_error_on_the_same_keep_alive_connection_succeeds(server):

@@ -1,9 +1,10 @@
 """Schemathesis against the server's own /openapi.json (every check, a fixed seed, a few dozen examples per
 operation): no 5xx, and no response that contradicts the schema.
 
-Two rules are beyond JSON Schema, which bounds each field alone: the prompt's tokens plus max_tokens must fit the
-context, and best_of must be at least n. A 400 saying either is the one rejection of schema-valid data accepted
-here; every other finding fails."""
+Some rules are beyond JSON Schema, which bounds each field alone: the prompt's tokens plus max_tokens must fit the
+context, best_of must be at least n, min_tokens at most max_tokens, and logit_bias's keys (strings) must be token
+ids of the vocabulary. A 400 saying one of these is the one rejection of schema-valid data accepted here; every
+other finding fails."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 from tests.server.conftest import start_server, stop_server
 
 pytest.importorskip("schemathesis")
-CROSS_FIELD_RULES = ("beyond the context length", "best_of must be at least n")
+CROSS_FIELD_RULES = ("beyond the context length", "best_of must be at least n", "must not exceed max_tokens", "logit_bias has token ids out of the vocabulary")
 
 
 @pytest.fixture(scope="module")

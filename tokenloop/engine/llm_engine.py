@@ -24,6 +24,7 @@ from tokenloop.engine.sequence import Sequence
 from tokenloop.models.loader import load_model
 from tokenloop.outputs import RequestOutput
 from tokenloop.sampling.params import SamplingParams
+from tokenloop.sampling.processors import LogitControls
 from tokenloop.tokenizer.detokenizer import IncrementalDetokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -185,6 +186,9 @@ class LLMEngine:
         if params.seed is not None:  # completion i of a seeded request uses seed + i, as vLLM does
             generator = torch.Generator(self.config.torch_device).manual_seed(params.seed + index)
         seq = Sequence(f"{request.request_id}/{index}", list(request.prompt_token_ids), len(request.prompt_token_ids), params, generator)
+        seq.controls = LogitControls.for_request(
+            params, seq.num_prompt_tokens, lambda text: self.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_token_ids
+        )
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop, params.skip_special_tokens)
         request.completions.append(CompletionState(index, seq, detokenizer))
         self._by_seq[seq.seq_id] = (request, request.completions[-1])
@@ -194,6 +198,9 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or [])):
+            if bad := [t for t in ids if t >= vocab]:
+                raise ValueError(f"{name} has token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
         if bad := [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]:
             raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
         # The field to blame is max_tokens when the prompt alone leaves room for a token.

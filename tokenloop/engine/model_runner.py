@@ -21,7 +21,7 @@ from tokenloop.engine.scheduler import ScheduledBatch
 from tokenloop.engine.sequence import Sequence
 from tokenloop.models.attention import AttentionGroup, AttentionMetadata
 from tokenloop.models.config import ModelConfig
-from tokenloop.sampling.sampler import Sampler, SamplerOutput, SamplingBatch
+from tokenloop.sampling.sampler import ProcessorInputs, Sampler, SamplerOutput, SamplingBatch
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -184,5 +184,7 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> StepSamples:
         """One token per row of `logits`, row i by seqs[i]'s sampling parameters and generator."""
-        sampling = SamplingBatch.from_params([s.params for s in seqs], [s.generator for s in seqs], logits.shape[-1], logits.device)
+        params = [s.params for s in seqs]
+        processors = ProcessorInputs(params, [s.token_ids for s in seqs], [s.controls for s in seqs])
+        sampling = SamplingBatch.from_params(params, [s.generator for s in seqs], logits.shape[-1], logits.device, processors)
         return StepSamples.from_sampler(self.sampler(logits, sampling))

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenloop.sampling.params import SamplingParams
+from tokenloop.sampling.processors import LogitControls
 
 
 class SequenceStatus(enum.Enum):
@@ -32,6 +33,7 @@ class Sequence:
     num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache
     finish_reason: str | None = None  # "stop" or "length"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    controls: LogitControls | None = None  # the logits processors' state, when its request uses any
 
     @property
     def num_tokens(self) -> int:

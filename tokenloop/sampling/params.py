@@ -30,6 +30,15 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top log-probabilities per output token (0..20), besides the chosen one
     skip_special_tokens: bool = True
+    # Logits processors (sampling/processors.py), applied in this order before the greedy choice or sampling:
+    allowed_token_ids: list[int] | None = None  # only these tokens may be chosen
+    bad_words: list[str] = field(default_factory=list)  # words never to end the output with
+    min_tokens: int = 0  # EOS and stop_token_ids are banned until the output has this many tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    repetition_penalty: float = 1.0  # > 1 discourages any token of the prompt or output; 1 = off
+    presence_penalty: float = 0.0  # subtracted once from a token that appeared in the output, in [-2, 2]
+    frequency_penalty: float = 0.0  # subtracted per appearance in the output, in [-2, 2]
+    no_repeat_ngram_size: int = 0  # no n-gram of this size appears twice (prompt included); 0 = off
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -56,6 +65,40 @@ class SamplingParams:
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not self.allowed_token_ids or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of non-negative integers, got {self.allowed_token_ids!r}")
+        self.bad_words = list(self.bad_words or [])
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise ValueError(f"bad_words must be non-blank strings, got {self.bad_words!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias)
+            for token, bias in self.logit_bias.items():
+                if not _is_int(token) or token < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+                if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+                    raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}")
+        if isinstance(self.repetition_penalty, bool) or not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_int(self.no_repeat_ngram_size) or self.no_repeat_ngram_size < 0:
+            raise ValueError(f"no_repeat_ngram_size must be an integer >= 0, got {self.no_repeat_ngram_size!r}")
+
+    @property
+    def uses_processors(self) -> bool:
+        """Whether any logits processor is on (else the sampler skips them all)."""
+        return bool(
+            self.allowed_token_ids is not None or self.bad_words or self.min_tokens or self.logit_bias
+            or self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty or self.no_repeat_ngram_size
+        )
 
     @property
     def greedy(self) -> bool:

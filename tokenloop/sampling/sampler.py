@@ -1,6 +1,8 @@
 """The batched sampler: per-row sampling parameters as tensors, logits in, token ids (and logprobs) out.
 
-Order as in vLLM v1: raw logprobs → greedy argmax → temperature → min-p → top-k → top-p → exponential race.
+Order as in vLLM v1: raw logprobs → logits processors (sampling/processors.py) → greedy argmax → temperature →
+min-p → top-k → top-p → exponential race. Logprobs are of the raw model distribution (vLLM's default
+`raw_logprobs`): what the model thinks of each token, before any control moved it.
 """
 
 from __future__ import annotations
@@ -10,6 +12,16 @@ from dataclasses import dataclass
 import torch
 
 from tokenloop.sampling.params import SAMPLING_EPS, SamplingParams
+from tokenloop.sampling.processors import LogitControls, apply_processors
+
+
+@dataclass(slots=True)
+class ProcessorInputs:
+    """What the logits processors read of a batch's rows: their params, their sequences' tokens and states."""
+
+    params: list[SamplingParams]
+    token_ids: list[list[int]]
+    controls: list[LogitControls | None]
 
 
 @dataclass(slots=True)
@@ -28,6 +40,7 @@ class SamplingBatch:
     any_top_k: bool
     any_top_p: bool
     any_min_p: bool
+    processors: ProcessorInputs | None = None  # None when no row uses a logits processor
 
     @classmethod
     def from_params(
@@ -36,6 +49,7 @@ class SamplingBatch:
         generators: list[torch.Generator | None],
         vocab_size: int,
         device: torch.device,
+        processors: ProcessorInputs | None = None,
     ) -> SamplingBatch:
         if len(generators) != len(params):
             raise ValueError(f"generators must have one entry per row, got {len(generators)} for {len(params)} rows")
@@ -58,6 +72,7 @@ class SamplingBatch:
             any_top_k=any(0 < p.top_k < vocab_size for p in random_rows),
             any_top_p=any(p.top_p < 1.0 for p in random_rows),
             any_min_p=any(p.min_p > 0.0 for p in random_rows),
+            processors=processors if processors is not None and any(c is not None for c in processors.controls) else None,
         )
 
 
@@ -125,6 +140,9 @@ class Sampler(torch.nn.Module):
         logits = logits.float()  # may alias the caller's tensor: nothing below writes into it
         # Logprobs are of the raw model distribution, before temperature and the processors.
         raw_logprobs = logits.log_softmax(dim=-1) if batch.max_num_logprobs >= 0 else None
+        if batch.processors is not None:  # before the greedy choice: they can move the argmax
+            inputs = batch.processors
+            logits = apply_processors(logits, inputs.params, inputs.token_ids, inputs.controls)
         if batch.all_greedy:
             token_ids = logits.argmax(dim=-1)
         else:

@@ -318,7 +318,8 @@ def _openapi(app: FastAPI, bounds: dict[str, int], max_model_len: int, vocab_siz
                     for integer in _integer_schemas(schema_of_field):
                         integer["maximum"] = bounds[field]
         prompt = components["CompletionRequest"]["properties"]["prompt"]
-        for integer in _integer_schemas(prompt):
+        token_fields = [prompt] + [components[name]["properties"]["allowed_token_ids"] for name in ("CompletionRequest", "ChatCompletionRequest")]
+        for integer in (i for field in token_fields for i in _integer_schemas(field)):
             integer["maximum"] = vocab_size - 1
         for token_list in _token_lists(prompt):
             token_list["maxItems"] = max_model_len - 1

@@ -30,15 +30,12 @@ NonEmptyText = Annotated[str, Field(min_length=1)]
 # Fields of OpenAI's API (and vLLM's) that change the result and that this server cannot honour yet: a request
 # that sets one to anything but its neutral value is refused, never served as if it had not asked.
 _UNSUPPORTED: dict[str, tuple] = {
-    "logit_bias": (None, {}),
     "suffix": (None, ""),
     "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "repetition_penalty": (None, 1, 1.0),
-    "min_tokens": (None, 0),
     "guided_json": (None,),
     "guided_regex": (None,),
     "guided_choice": (None,),
@@ -46,8 +43,6 @@ _UNSUPPORTED: dict[str, tuple] = {
     "structured_outputs": (None,),
     "prompt_logprobs": (None,),
     "use_beam_search": (None, False),
-    "allowed_token_ids": (None,),
-    "bad_words": (None, []),
 }
 
 
@@ -107,9 +102,15 @@ class _SamplingRequest(_Request):
     seed: Int(ge=SEED_MIN, le=SEED_MAX) | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # Only 0 until the penalties are built: the schema says so rather than accepting what it would ignore.
-    presence_penalty: Annotated[float, Field(ge=0, le=0)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=0, le=0)] = 0.0
+    # Logits processors (sampling/processors.py); logit_bias's keys are token ids written as strings (OpenAI's).
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(ge=-100, le=100)]], Field(max_length=300)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=10)] = 1.0  # extension (vLLM)
+    min_tokens: Int(ge=0) = 0  # extension (vLLM)
+    bad_words: Annotated[list[Annotated[str, Field(pattern=r"\S")]], Field(max_length=64)] | None = None  # extension (vLLM)
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None  # extension (vLLM)
+    no_repeat_ngram_size: Int(ge=0) = 0  # extension (transformers)
     user: str | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, n: int | None = None) -> SamplingParams:
@@ -117,7 +118,10 @@ class _SamplingRequest(_Request):
         return SamplingParams(
             n=n or self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             seed=self.seed, max_tokens=max_tokens, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
-            ignore_eos=self.ignore_eos, logprobs=logprobs,
+            ignore_eos=self.ignore_eos, logprobs=logprobs, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()} or None,
+            repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens, bad_words=self.bad_words or [],
+            allowed_token_ids=self.allowed_token_ids, no_repeat_ngram_size=self.no_repeat_ngram_size,
         )
 
     @property

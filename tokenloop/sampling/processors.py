@@ -1,0 +1,145 @@
+"""Logits processors: the controls a request sets against error accumulation, applied over a step's rows as tensors.
+
+Order, as vLLM documents it: allowed_token_ids → bad_words → min_tokens → logit_bias → repetition_penalty →
+presence / frequency penalties → no_repeat_ngram_size; the sampler then takes the greedy choice or samples
+(temperature → min-p → top-k → top-p). Each processor touches only the rows that use it; the per-row loops
+(bad words, n-grams) run only over those rows, never over the vocabulary.
+
+Semantics as users know them:
+- repetition_penalty: transformers' rule over the prompt and the output, once per distinct token (a positive
+  logit is divided by the penalty, a negative one multiplied);
+- presence_penalty / frequency_penalty: OpenAI's rule over the output only (minus presence once a token has
+  appeared, minus frequency times its count);
+- no_repeat_ngram_size n: transformers' rule, prompt included (a token that would repeat an n-gram is banned);
+- bad_words: vLLM's rule: each word tokenized with and without a leading space, and its last token banned
+  when the output ends with the tokens before it;
+- min_tokens: EOS and the stop token ids are banned until the output has that many tokens.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenloop.sampling.params import SamplingParams
+
+
+@dataclass(slots=True)
+class TokenHistory:
+    """What the penalties need of a sequence's tokens, kept up to date incrementally: `sync` reads only the
+    tokens appended since its last call (a preempted sequence keeps its tokens, so this stays valid)."""
+
+    num_prompt_tokens: int
+    ngram_size: int = 0  # 0: no n-gram index
+    output_counts: Counter = field(default_factory=Counter)
+    prompt_ids: torch.Tensor | None = None  # distinct prompt token ids, built once
+    ngrams: dict[tuple[int, ...], set[int]] = field(default_factory=dict)  # (n-1)-token prefix -> tokens that followed it
+    synced: int = 0  # tokens read so far
+
+    def sync(self, token_ids: list[int]) -> None:
+        if self.prompt_ids is None:
+            self.prompt_ids = torch.tensor(sorted(set(token_ids[: self.num_prompt_tokens])), dtype=torch.int64)
+        n = self.ngram_size
+        for i in range(self.synced, len(token_ids)):
+            if i >= self.num_prompt_tokens:
+                self.output_counts[token_ids[i]] += 1
+            if n and i + 1 >= n:
+                self.ngrams.setdefault(tuple(token_ids[i + 1 - n : i]), set()).add(token_ids[i])
+        self.synced = len(token_ids)
+
+    def banned_by_ngrams(self, token_ids: list[int]) -> set[int]:
+        n = self.ngram_size
+        if len(token_ids) + 1 < n:  # transformers: no n-gram can be completed yet
+            return set()
+        return self.ngrams.get(tuple(token_ids[len(token_ids) - n + 1 :]) if n > 1 else (), set())
+
+
+@dataclass(slots=True)
+class LogitControls:
+    """A sequence's processor state: None on a sequence whose request uses no processor (the fast path)."""
+
+    history: TokenHistory
+    bad_words_ids: list[list[int]]  # token sequences, from params.bad_words (both spacings)
+    min_tokens_stop_ids: list[int]  # banned while the output is shorter than params.min_tokens
+
+    @classmethod
+    def for_request(cls, params: SamplingParams, num_prompt_tokens: int, encode, eos_token_ids) -> LogitControls | None:
+        if not params.uses_processors:
+            return None
+        bad_words_ids = []
+        for word in params.bad_words:
+            for text in (word, " " + word.lstrip()):  # as vLLM: with and without a leading space
+                ids = encode(text)
+                if ids and ids not in bad_words_ids:
+                    bad_words_ids.append(ids)
+        stop_ids = sorted(set(params.stop_token_ids) | set(eos_token_ids))
+        return cls(TokenHistory(num_prompt_tokens, params.no_repeat_ngram_size), bad_words_ids, stop_ids)
+
+
+def _ban(logits: torch.Tensor, rows: list[int], ids: list[int]) -> None:
+    if rows:
+        logits[torch.tensor(rows), torch.tensor(ids)] = float("-inf")
+
+
+def apply_processors(logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]], controls: list[LogitControls | None]) -> torch.Tensor:
+    """Logits [B, V] (float32, not written) after every processor the rows ask for, in the documented order.
+    token_ids[i] and controls[i] are row i's sequence tokens and state."""
+    out = logits.clone()
+    vocab, device = logits.shape[-1], logits.device
+    rows = [i for i, c in enumerate(controls) if c is not None]
+    for i in rows:
+        controls[i].history.sync(token_ids[i])
+
+    if allowed := [i for i in rows if params[i].allowed_token_ids is not None]:
+        mask = torch.full((len(allowed), vocab), float("-inf"), device=device)
+        for j, i in enumerate(allowed):
+            mask[j, torch.tensor(params[i].allowed_token_ids, dtype=torch.int64)] = 0.0
+        out[torch.tensor(allowed)] += mask
+
+    ban_rows, ban_ids = [], []
+    for i in rows:
+        c, p = controls[i], params[i]
+        output = token_ids[i][c.history.num_prompt_tokens :]
+        for word in c.bad_words_ids:  # bad_words
+            prefix = word[:-1]
+            if len(output) >= len(prefix) and output[len(output) - len(prefix) :] == prefix:
+                ban_rows.append(i), ban_ids.append(word[-1])
+        if len(output) < p.min_tokens:  # min_tokens
+            ban_rows += [i] * len(c.min_tokens_stop_ids)
+            ban_ids += c.min_tokens_stop_ids
+    _ban(out, ban_rows, ban_ids)
+
+    bias_rows, bias_ids, bias_values = [], [], []
+    for i in rows:
+        for token, bias in (params[i].logit_bias or {}).items():
+            bias_rows.append(i), bias_ids.append(token), bias_values.append(bias)
+    if bias_rows:
+        out.index_put_((torch.tensor(bias_rows), torch.tensor(bias_ids)), torch.tensor(bias_values, device=device), accumulate=True)
+
+    if penalized := [i for i in rows if params[i].repetition_penalty != 1.0 or params[i].presence_penalty or params[i].frequency_penalty]:
+        counts = torch.zeros(len(penalized), vocab, device=device)
+        for j, i in enumerate(penalized):
+            history = controls[i].history
+            if history.output_counts:
+                counts[j, torch.tensor(list(history.output_counts))] = torch.tensor(list(history.output_counts.values()), dtype=torch.float32)
+        index = torch.tensor(penalized)
+        sub = out[index]
+        repetition = torch.tensor([params[i].repetition_penalty for i in penalized], device=device).unsqueeze(1)
+        seen = counts > 0
+        for j, i in enumerate(penalized):
+            seen[j, controls[i].history.prompt_ids] = True
+        sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
+        presence = torch.tensor([params[i].presence_penalty for i in penalized], device=device).unsqueeze(1)
+        frequency = torch.tensor([params[i].frequency_penalty for i in penalized], device=device).unsqueeze(1)
+        out[index] = sub - frequency * counts - presence * (counts > 0)
+
+    ngram_rows, ngram_ids = [], []
+    for i in rows:
+        if params[i].no_repeat_ngram_size:
+            banned = controls[i].history.banned_by_ngrams(token_ids[i])
+            ngram_rows += [i] * len(banned)
+            ngram_ids += sorted(banned)
+    _ban(out, ngram_rows, ngram_ids)
+    return out
