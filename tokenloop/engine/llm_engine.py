@@ -25,6 +25,7 @@ from tokenloop.models.loader import load_model
 from tokenloop.outputs import RequestOutput
 from tokenloop.sampling.params import SamplingParams
 from tokenloop.sampling.processors import LogitControls
+from tokenloop.sampling.structured import GrammarCompiler
 from tokenloop.tokenizer.detokenizer import IncrementalDetokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -136,6 +137,7 @@ class LLMEngine:
         self._by_seq: dict[str, tuple[RequestState, CompletionState]] = {}  # running completions by sequence id
         self._ids = itertools.count()
         self.faults = [FaultInjection.parse(spec) for spec in config.inject_faults]
+        self._grammars: GrammarCompiler | None = None
 
     def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -187,16 +189,25 @@ class LLMEngine:
             generator = torch.Generator(self.config.torch_device).manual_seed(params.seed + index)
         seq = Sequence(f"{request.request_id}/{index}", list(request.prompt_token_ids), len(request.prompt_token_ids), params, generator)
         seq.controls = LogitControls.for_request(
-            params, seq.num_prompt_tokens, lambda text: self.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_token_ids
+            params, seq.num_prompt_tokens, lambda text: self.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_token_ids,
+            self.grammars() if params.structured_outputs is not None else None,
         )
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop, params.skip_special_tokens)
         request.completions.append(CompletionState(index, seq, detokenizer))
         self._by_seq[seq.seq_id] = (request, request.completions[-1])
         return seq
 
+    def grammars(self) -> GrammarCompiler:
+        """llguidance's view of this engine's tokenizer, built on the first structured request (about a second)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.model_config.vocab_size, self.tokenizer.eos_token_ids)
+        return self._grammars
+
     def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
             raise ValueError("the prompt is empty")
+        if params.structured_outputs is not None:
+            self.grammars().grammar(params.structured_outputs)  # compiled (and cached) now: a bad spec is a ValueError here
         vocab = self.model_config.vocab_size
         for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or [])):
             if bad := [t for t in ids if t >= vocab]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from tokenloop.sampling.structured import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 # Temperatures below this are greedy (as vLLM's _SAMPLING_EPS): dividing logits by them overflows.
 SAMPLING_EPS = 1e-5
@@ -39,6 +41,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted once from a token that appeared in the output, in [-2, 2]
     frequency_penalty: float = 0.0  # subtracted per appearance in the output, in [-2, 2]
     no_repeat_ngram_size: int = 0  # no n-gram of this size appears twice (prompt included); 0 = off
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar every token must follow (sampling/structured.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -89,6 +92,8 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not -2 <= value <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
         if not _is_int(self.no_repeat_ngram_size) or self.no_repeat_ngram_size < 0:
             raise ValueError(f"no_repeat_ngram_size must be an integer >= 0, got {self.no_repeat_ngram_size!r}")
 
@@ -98,6 +103,7 @@ class SamplingParams:
         return bool(
             self.allowed_token_ids is not None or self.bad_words or self.min_tokens or self.logit_bias
             or self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty or self.no_repeat_ngram_size
+            or self.structured_outputs is not None
         )
 
     @property

@@ -1,7 +1,7 @@
 """Logits processors: the controls a request sets against error accumulation, applied over a step's rows as tensors.
 
 Order, as vLLM documents it: allowed_token_ids → bad_words → min_tokens → logit_bias → repetition_penalty →
-presence / frequency penalties → no_repeat_ngram_size; the sampler then takes the greedy choice or samples
+presence / frequency penalties → no_repeat_ngram_size → the structured-output mask; the sampler then takes the greedy choice or samples
 (temperature → min-p → top-k → top-p). Each processor touches only the rows that use it; the per-row loops
 (bad words, n-grams) run only over those rows, never over the vocabulary.
 
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenloop.sampling.params import SamplingParams
+from tokenloop.sampling.structured import GrammarCompiler, GrammarMatcher, apply_grammar_masks
 
 
 @dataclass(slots=True)
@@ -63,11 +64,15 @@ class LogitControls:
     history: TokenHistory
     bad_words_ids: list[list[int]]  # token sequences, from params.bad_words (both spacings)
     min_tokens_stop_ids: list[int]  # banned while the output is shorter than params.min_tokens
+    grammar: GrammarMatcher | None = None  # params.structured_outputs' matcher
 
     @classmethod
-    def for_request(cls, params: SamplingParams, num_prompt_tokens: int, encode, eos_token_ids) -> LogitControls | None:
+    def for_request(
+        cls, params: SamplingParams, num_prompt_tokens: int, encode, eos_token_ids, grammars: GrammarCompiler | None = None
+    ) -> LogitControls | None:
         if not params.uses_processors:
             return None
+        grammar = grammars.matcher(params.structured_outputs) if params.structured_outputs is not None else None
         bad_words_ids = []
         for word in params.bad_words:
             for text in (word, " " + word.lstrip()):  # as vLLM: with and without a leading space
@@ -75,7 +80,7 @@ class LogitControls:
                 if ids and ids not in bad_words_ids:
                     bad_words_ids.append(ids)
         stop_ids = sorted(set(params.stop_token_ids) | set(eos_token_ids))
-        return cls(TokenHistory(num_prompt_tokens, params.no_repeat_ngram_size), bad_words_ids, stop_ids)
+        return cls(TokenHistory(num_prompt_tokens, params.no_repeat_ngram_size), bad_words_ids, stop_ids, grammar)
 
 
 def _ban(logits: torch.Tensor, rows: list[int], ids: list[int]) -> None:
@@ -142,4 +147,9 @@ def apply_processors(logits: torch.Tensor, params: list[SamplingParams], token_i
             ngram_rows += [i] * len(banned)
             ngram_ids += sorted(banned)
     _ban(out, ngram_rows, ngram_ids)
+
+    grammar_rows = [i for i in rows if controls[i].grammar is not None]
+    for i in grammar_rows:
+        controls[i].grammar.sync(token_ids[i][controls[i].history.num_prompt_tokens :])
+    apply_grammar_masks(out, grammar_rows, [controls[i].grammar.allowed() for i in grammar_rows])
     return out

@@ -60,8 +60,8 @@ def error_response(status: int, message: str, param: str | None = None, headers:
 
 
 def param_of(message: str) -> str | None:
-    """Our ValueErrors start with the offending field's name ("temperature must be ...")."""
-    first = message.split(" ", 1)[0].rstrip(":")
+    """Our ValueErrors start with the offending field's name ("temperature must be ...", "structured_outputs.regex: ...")."""
+    first = message.split(" ", 1)[0].rstrip(":").split(".")[0]
     return first if first.isidentifier() and first not in ("the", "a", "prompt") else None
 
 

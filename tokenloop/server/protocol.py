@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from tokenloop.sampling.params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
+from tokenloop.sampling.structured import StructuredOutputsParams
 
 # Strict: no coercion of booleans into numbers or numbers into strings; no NaN or infinity.
 _STRICT = ConfigDict(strict=True, allow_inf_nan=False)
@@ -31,19 +32,20 @@ NonEmptyText = Annotated[str, Field(min_length=1)]
 # that sets one to anything but its neutral value is refused, never served as if it had not asked.
 _UNSUPPORTED: dict[str, tuple] = {
     "suffix": (None, ""),
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
     "prompt_logprobs": (None,),
     "use_beam_search": (None, False),
 }
+
+
+def _structured(field: str, **spec) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**spec)
+    except ValueError as e:
+        raise ValueError(f"{field}: {e}") from None
 
 
 def find_surrogate(value: Any, path: str) -> str | None:
@@ -83,6 +85,33 @@ class _Request(BaseModel):
         return self
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, **_STRICT)
+    name: str | None = None
+    schema_: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), any JSON object, or JSON following a schema."""
+
+    model_config = ConfigDict(extra="forbid", **_STRICT)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(BaseModel):
+    """vLLM's extra body field structured_outputs (set one)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, **_STRICT)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", **_STRICT)
     include_usage: bool = False
@@ -111,7 +140,24 @@ class _SamplingRequest(_Request):
     bad_words: Annotated[list[Annotated[str, Field(pattern=r"\S")]], Field(max_length=64)] | None = None  # extension (vLLM)
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None  # extension (vLLM)
     no_repeat_ngram_size: Int(ge=0) = 0  # extension (transformers)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None  # extension (vLLM)
     user: str | None = None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The one grammar response_format or structured_outputs asks for; ValueError naming the field."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text" and self.structured_outputs is not None:
+            raise ValueError("response_format: set it or structured_outputs, not both")
+        if fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise ValueError("response_format: type json_schema needs json_schema.schema")
+            return _structured("response_format", json=fmt.json_schema.schema_)
+        if fmt is not None and fmt.type == "json_object":
+            return _structured("response_format", json_object=True)
+        if (body := self.structured_outputs) is not None:
+            return _structured("structured_outputs", json=body.json_, json_object=body.json_object, regex=body.regex, grammar=body.grammar, choice=body.choice)
+        return None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, n: int | None = None) -> SamplingParams:
         """Raises ValueError naming the field for values out of range."""
@@ -121,7 +167,7 @@ class _SamplingRequest(_Request):
             ignore_eos=self.ignore_eos, logprobs=logprobs, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()} or None,
             repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens, bad_words=self.bad_words or [],
-            allowed_token_ids=self.allowed_token_ids, no_repeat_ngram_size=self.no_repeat_ngram_size,
+            allowed_token_ids=self.allowed_token_ids, no_repeat_ngram_size=self.no_repeat_ngram_size, structured_outputs=self.structured(),
         )
 
     @property
