@@ -132,3 +132,9 @@ def test_the_engine_applies_processors_to_greedy_and_random_rows_of_one_batch(ti
     assert len(set(ids[4])) == 12  # no 1-gram twice: every token new
     alone = tiny_llm.generate(prompts[-1], plain, use_tqdm=False)[0].outputs[0].token_ids
     assert ids[5] == alone  # a row without processors is untouched by its neighbours'
+
+
+def test_min_tokens_beyond_the_context_without_max_tokens_is_an_error_before_queuing(tiny_llm):
+    with pytest.raises(ValueError, match="min_tokens"):
+        tiny_llm.generate("Hello", SamplingParams(max_tokens=None, min_tokens=10**6), use_tqdm=False)
+    assert not tiny_llm.llm_engine.has_unfinished_requests()

@@ -90,6 +90,16 @@ def test_streamed_chat_joins_to_the_non_streamed_text_and_ends_with_usage(client
     assert usage_chunk.usage.completion_tokens == 12
 
 
+def test_streamed_chat_logprobs_cover_every_token_even_those_that_add_no_text(client):
+    # The tiny model emits byte tokens: a partial UTF-8 character adds no text until the character completes.
+    full = chat(client, max_tokens=24, logprobs=True, top_logprobs=2)
+    chunks = list(chat(client, max_tokens=24, logprobs=True, top_logprobs=2, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert len(full.choices[0].logprobs.content) == full.usage.completion_tokens == 24
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in full.choices[0].logprobs.content]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
+
+
 def test_stream_without_include_usage_sends_no_usage_chunk(client):
     chunks = list(complete(client, max_tokens=4, stream=True))
     assert all(c.choices and c.usage is None for c in chunks)

@@ -208,6 +208,8 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         if params.structured_outputs is not None:
             self.grammars().grammar(params.structured_outputs)  # compiled (and cached) now: a bad spec is a ValueError here
+        if params.max_tokens is None and params.min_tokens > self.max_model_len - len(token_ids):  # (with max_tokens, SamplingParams checks)
+            raise ValueError(f"min_tokens ({params.min_tokens}) must not exceed max_tokens (up to the context: {self.max_model_len - len(token_ids)})")
         vocab = self.model_config.vocab_size
         for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or [])):
             if bad := [t for t in ids if t >= vocab]:

@@ -15,11 +15,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
 from tokenloop.engine.async_engine import AsyncEngine, RequestFailed
-from tokenloop.outputs import RequestOutput
+from tokenloop.outputs import CompletionOutput, RequestOutput
 from tokenloop.sampling.params import SamplingParams
 from tokenloop.server.errors import ERROR_RESPONSES, APIError, CatchAll, error_body, error_response, install_error_handlers, param_of
 from tokenloop.server.protocol import ChatCompletionRequest, CompletionRequest
-from tokenloop.server.responses import ChoiceIndexer, Usage, chat_logprobs, completion_logprobs
+from tokenloop.server.responses import ChoiceIndexer, ChoiceProgress, Usage, chat_logprobs, completion_logprobs
 
 DEFAULT_MAX_N = 128  # OpenAI's own bound on n
 
@@ -252,50 +252,57 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
-async def _completion_chunks(streams, params: SamplingParams, body: CompletionRequest, meta: dict, prompt_text: Callable[[RequestOutput], str]) -> AsyncIterator[dict]:
-    indexer, usage = ChoiceIndexer(body.n), {}
+async def _choice_updates(streams: list[AsyncIterator[RequestOutput]], n: int, usage: dict[int, RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput, CompletionOutput, ChoiceProgress]]:
+    """The one streaming loop of completions and chat: (choice index, output, completion, what was sent of it
+    before), for every completion not finished yet; what was sent advances once the caller has taken an item.
+    Each prompt's final output lands in `usage`."""
+    indexer = ChoiceIndexer(n)
     async for i, out in _merge(streams):
         for c in out.outputs:
             index = indexer.index(i, c.index)
             sent = indexer.of(index)
             if sent.finished:  # outputs repeat every completion of the request; a finished one was sent in full
                 continue
-            text = c.text[sent.text_len :]
-            if body.echo and not sent.started:
-                text = prompt_text(out) + text
-            logprobs = completion_logprobs(c, sent.logprobs_len, body.logprobs, sent.text_len) if body.logprobs is not None else None
-            if text or c.finish_reason or logprobs and logprobs["tokens"]:
-                yield meta | {"choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+            yield index, out, c, sent
             sent.text_len, sent.logprobs_len, sent.started, sent.finished = len(c.text), len(c.token_ids), True, c.finish_reason is not None
         if out.finished:
             usage[i] = out
+
+
+def _usage_chunk(meta: dict, usage: dict[int, RequestOutput]) -> dict:
+    total = Usage()
+    for out in usage.values():
+        total.add(out)
+    return meta | {"choices": [], "usage": total.as_dict()}
+
+
+async def _completion_chunks(streams, params: SamplingParams, body: CompletionRequest, meta: dict, prompt_text: Callable[[RequestOutput], str]) -> AsyncIterator[dict]:
+    usage: dict[int, RequestOutput] = {}
+    async for index, out, c, sent in _choice_updates(streams, body.n, usage):
+        text = c.text[sent.text_len :]
+        if body.echo and not sent.started:
+            text = prompt_text(out) + text
+        logprobs = completion_logprobs(c, sent.logprobs_len, body.logprobs, sent.text_len) if body.logprobs is not None else None
+        if text or c.finish_reason or logprobs and logprobs["tokens"]:
+            yield meta | {"choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
     if body.include_usage:
-        total = Usage()
-        for out in usage.values():
-            total.add(out)
-        yield meta | {"choices": [], "usage": total.as_dict()}
+        yield _usage_chunk(meta, usage)
 
 
 async def _chat_chunks(stream, params: SamplingParams, body: ChatCompletionRequest, meta: dict) -> AsyncIterator[dict]:
-    indexer, final = ChoiceIndexer(params.n), None
-    async for out in stream:
-        for c in out.outputs:
-            sent = indexer.of(c.index)
-            if sent.finished:
-                continue
-            delta = {} if sent.started else {"role": "assistant"}
-            text = c.text[sent.text_len :]
-            if text or not sent.started:
-                delta["content"] = text
-            logprobs = chat_logprobs(c, sent.logprobs_len, params.logprobs) if params.logprobs is not None else None
-            if delta or c.finish_reason:
-                yield meta | {"choices": [{"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
-            sent.text_len, sent.logprobs_len, sent.started, sent.finished = len(c.text), len(c.token_ids), True, c.finish_reason is not None
-        final = out
-    if body.include_usage and final is not None:
-        usage = Usage()
-        usage.add(final)
-        yield meta | {"choices": [], "usage": usage.as_dict()}
+    usage: dict[int, RequestOutput] = {}
+    async for index, _, c, sent in _choice_updates([stream], params.n, usage):
+        delta = {} if sent.started else {"role": "assistant"}
+        logprobs = chat_logprobs(c, sent.logprobs_len, params.logprobs) if params.logprobs is not None else None
+        # A token that adds no text yet (part of a UTF-8 character, text held back for a stop string) still
+        # sends its logprobs, with empty content: skipping its chunk lost them.
+        text = c.text[sent.text_len :]
+        if text or not sent.started or logprobs and logprobs["content"]:
+            delta["content"] = text
+        if delta or c.finish_reason:
+            yield meta | {"choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+    if body.include_usage and usage:
+        yield _usage_chunk(meta, usage)
 
 
 def _openapi(app: FastAPI, bounds: dict[str, int], max_model_len: int, vocab_size: int) -> dict:

@@ -45,7 +45,7 @@ def _structured(field: str, **spec) -> StructuredOutputsParams:
     try:
         return StructuredOutputsParams(**spec)
     except ValueError as e:
-        raise ValueError(f"{field}: {e}") from None
+        raise ValueError(str(e) if str(e).startswith(field) else f"{field}: {e}") from None
 
 
 def find_surrogate(value: Any, path: str) -> str | None:
@@ -102,14 +102,15 @@ class ResponseFormat(BaseModel):
 
 
 class StructuredOutputsBody(BaseModel):
-    """vLLM's extra body field structured_outputs (set one)."""
+    """vLLM's extra body field structured_outputs: exactly one of its fields (the schema says so)."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, **_STRICT)
-    json_: dict[str, Any] | str | None = Field(None, alias="json")
-    json_object: bool = False
-    regex: str | None = None
-    grammar: str | None = None
-    choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, json_schema_extra={"minProperties": 1, "maxProperties": 1}, **_STRICT)
+    # Not nullable: a field present is the one set (defaults of None only mark the absent ones).
+    json_: dict[str, Any] = Field(None, alias="json")
+    json_object: Literal[True] = None
+    regex: str = None
+    grammar: str = None
+    choice: Annotated[list[NonEmptyText], Field(min_length=1)] = None
 
 
 class StreamOptions(BaseModel):
@@ -134,7 +135,9 @@ class _SamplingRequest(_Request):
     # Logits processors (sampling/processors.py); logit_bias's keys are token ids written as strings (OpenAI's).
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(ge=-100, le=100)]], Field(max_length=300)] | None = None
+    # (pydantic writes the key pattern as patternProperties, which alone would let other keys through the schema)
+    logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=300, json_schema_extra={"additionalProperties": False})] | None = None
     repetition_penalty: Annotated[float, Field(gt=0, le=10)] = 1.0  # extension (vLLM)
     min_tokens: Int(ge=0) = 0  # extension (vLLM)
     bad_words: Annotated[list[Annotated[str, Field(pattern=r"\S")]], Field(max_length=64)] | None = None  # extension (vLLM)
@@ -156,7 +159,7 @@ class _SamplingRequest(_Request):
         if fmt is not None and fmt.type == "json_object":
             return _structured("response_format", json_object=True)
         if (body := self.structured_outputs) is not None:
-            return _structured("structured_outputs", json=body.json_, json_object=body.json_object, regex=body.regex, grammar=body.grammar, choice=body.choice)
+            return _structured("structured_outputs", json=body.json_, json_object=bool(body.json_object), regex=body.regex, grammar=body.grammar, choice=body.choice)
         return None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, n: int | None = None) -> SamplingParams:
