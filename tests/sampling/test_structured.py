@@ -56,3 +56,10 @@ def test_a_spec_that_cannot_be_honoured_is_a_value_error_naming_it(tiny_llm, spe
 def test_structured_outputs_params_take_exactly_one_valid_spec(kwargs):
     with pytest.raises(ValueError, match="structured_outputs"):
         StructuredOutputsParams(**kwargs)
+
+
+@pytest.mark.parametrize("ban", [{"allowed_token_ids": [5]}, {"min_tokens": 3}, {"bad_words": ["x"]}])
+def test_structured_outputs_with_a_token_ban_is_an_error(ban):
+    # (a ban can leave a row no token the grammar allows: EOS under min_tokens once the grammar is complete)
+    with pytest.raises(ValueError, match="structured_outputs cannot be combined"):
+        SamplingParams(structured_outputs=StructuredOutputsParams(regex="a"), **ban)

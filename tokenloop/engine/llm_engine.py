@@ -208,8 +208,6 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         if params.structured_outputs is not None:
             self.grammars().grammar(params.structured_outputs)  # compiled (and cached) now: a bad spec is a ValueError here
-        if params.max_tokens is None and params.min_tokens > self.max_model_len - len(token_ids):  # (with max_tokens, SamplingParams checks)
-            raise ValueError(f"min_tokens ({params.min_tokens}) must not exceed max_tokens (up to the context: {self.max_model_len - len(token_ids)})")
         vocab = self.model_config.vocab_size
         for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or [])):
             if bad := [t for t in ids if t >= vocab]:
@@ -225,6 +223,8 @@ class LLMEngine:
                     f"max_tokens is {params.max_tokens}: with the prompt's {len(token_ids)} tokens that makes "
                     f"{len(token_ids) + params.max_tokens}, beyond {what} of {limit} tokens"
                 )
+        if params.max_tokens is None and params.min_tokens > self.max_model_len - len(token_ids):  # (with max_tokens, SamplingParams checks)
+            raise ValueError(f"min_tokens ({params.min_tokens}) must not exceed max_tokens (up to the context: {self.max_model_len - len(token_ids)})")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Drop a request and free its KV blocks at once; returns its last output, every unfinished completion

@@ -85,7 +85,7 @@ class LogitControls:
 
 def _ban(logits: torch.Tensor, rows: list[int], ids: list[int]) -> None:
     if rows:
-        logits[torch.tensor(rows), torch.tensor(ids)] = float("-inf")
+        logits[torch.tensor(rows, device=logits.device), torch.tensor(ids, device=logits.device)] = float("-inf")
 
 
 def apply_processors(logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]], controls: list[LogitControls | None]) -> torch.Tensor:
@@ -100,8 +100,8 @@ def apply_processors(logits: torch.Tensor, params: list[SamplingParams], token_i
     if allowed := [i for i in rows if params[i].allowed_token_ids is not None]:
         mask = torch.full((len(allowed), vocab), float("-inf"), device=device)
         for j, i in enumerate(allowed):
-            mask[j, torch.tensor(params[i].allowed_token_ids, dtype=torch.int64)] = 0.0
-        out[torch.tensor(allowed)] += mask
+            mask[j, torch.tensor(params[i].allowed_token_ids, dtype=torch.int64, device=device)] = 0.0
+        out[torch.tensor(allowed, device=device)] += mask
 
     ban_rows, ban_ids = [], []
     for i in rows:
@@ -121,20 +121,22 @@ def apply_processors(logits: torch.Tensor, params: list[SamplingParams], token_i
         for token, bias in (params[i].logit_bias or {}).items():
             bias_rows.append(i), bias_ids.append(token), bias_values.append(bias)
     if bias_rows:
-        out.index_put_((torch.tensor(bias_rows), torch.tensor(bias_ids)), torch.tensor(bias_values, device=device), accumulate=True)
+        index = (torch.tensor(bias_rows, device=device), torch.tensor(bias_ids, device=device))
+        out.index_put_(index, torch.tensor(bias_values, dtype=out.dtype, device=device), accumulate=True)
 
     if penalized := [i for i in rows if params[i].repetition_penalty != 1.0 or params[i].presence_penalty or params[i].frequency_penalty]:
         counts = torch.zeros(len(penalized), vocab, device=device)
         for j, i in enumerate(penalized):
             history = controls[i].history
             if history.output_counts:
-                counts[j, torch.tensor(list(history.output_counts))] = torch.tensor(list(history.output_counts.values()), dtype=torch.float32)
-        index = torch.tensor(penalized)
+                ids = torch.tensor(list(history.output_counts), device=device)
+                counts[j, ids] = torch.tensor(list(history.output_counts.values()), dtype=torch.float32, device=device)
+        index = torch.tensor(penalized, device=device)
         sub = out[index]
         repetition = torch.tensor([params[i].repetition_penalty for i in penalized], device=device).unsqueeze(1)
         seen = counts > 0
         for j, i in enumerate(penalized):
-            seen[j, controls[i].history.prompt_ids] = True
+            seen[j, controls[i].history.prompt_ids.to(device)] = True
         sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
         presence = torch.tensor([params[i].presence_penalty for i in penalized], device=device).unsqueeze(1)
         frequency = torch.tensor([params[i].frequency_penalty for i in penalized], device=device).unsqueeze(1)
