@@ -98,3 +98,14 @@ def test_logits_processors_alone_equal_them_inside_a_batch_of_32_with_plain_rows
     index = {p: i for i, p in enumerate(PROMPTS)}
     expected = [(penalized_reference if i % 2 else reference)[index[p]] for i, p in enumerate(batch)]
     assert together == expected and penalized_reference != reference
+
+
+@pytest.mark.parametrize("engine_args", [{"enable_prefix_caching": False}, {"max_num_batched_tokens": 7}, {}], ids=["no prefix cache", "chunked", "default"])
+def test_structured_output_gives_the_same_tokens_whatever_the_scheduling(tiny_model_folder, tiny_llm, engine_args):
+    from tokenloop.sampling.structured import StructuredOutputsParams
+
+    params = SamplingParams(temperature=0.9, seed=4, max_tokens=24, structured_outputs=StructuredOutputsParams(regex=r"[a-z]{4,12}\."))
+    expected = [o.outputs[0].token_ids for o in tiny_llm.generate(PROMPTS, params, use_tqdm=False)]
+    outs = make(tiny_model_folder, **engine_args).generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert all(o.outputs[0].finish_reason == "stop" for o in outs)
