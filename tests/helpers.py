@@ -38,13 +38,15 @@ def _forward(loaded: LoadedModel, token_ids: list[int], chunks: list[int], block
     device = next(loaded.model.parameters()).device
     runner = ModelRunner(loaded.model, loaded.config, num_blocks, block_size, dtype, device)
     blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
-    seq = Sequence("test", list(token_ids), len(token_ids), SamplingParams())
+    # A sequence that scores its prompt asks the runner for the logits of every position (the seam that
+    # prompt logprobs, perplexity and speculative verification use).
+    seq = Sequence("test", list(token_ids), len(token_ids), SamplingParams(prompt_logprobs=0), score_prompt=True)
     logits = []
     with torch.inference_mode():
         for n in chunks:
             assert blocks.allocate(seq, seq.num_computed_tokens + n)
             inp = runner.prepare(ScheduledBatch([seq], [n]))
-            logits.append(loaded.model.compute_logits(loaded.model(inp.input_ids, inp.positions, inp.meta)).float())
+            logits.append(runner.logits(inp))
             seq.num_computed_tokens += n
     return torch.cat(logits)
 

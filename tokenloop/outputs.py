@@ -34,4 +34,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # With SamplingParams.prompt_logprobs: per prompt token its logprob and the top k (None for the first token)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None  # set (with finished) when the engine failed this request alone

@@ -109,3 +109,54 @@ def test_structured_output_gives_the_same_tokens_whatever_the_scheduling(tiny_mo
     outs = make(tiny_model_folder, **engine_args).generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert all(o.outputs[0].finish_reason == "stop" for o in outs)
+
+
+SCORED = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=3)
+
+
+@pytest.fixture(scope="module")
+def teacher_forced(tiny_model_folder, tiny_llm):
+    """Per prompt: log P(token i | tokens before it), from one forward over the whole prompt."""
+    import torch
+
+    from tests.helpers import forward_in_chunks
+    from tokenloop.models.loader import load_model
+
+    loaded = load_model(tiny_model_folder, torch.float32, torch.device("cpu"), load_tokenizer=False)
+    tokenizer = tiny_llm.get_tokenizer()
+    expected = []
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt)
+        logprobs = forward_in_chunks(loaded, ids, [len(ids)]).log_softmax(-1)
+        expected.append([logprobs[i - 1, t].item() for i, t in enumerate(ids) if i])
+    return expected
+
+
+@pytest.mark.parametrize("engine_args", [{"enable_prefix_caching": False}, {"max_num_batched_tokens": 7}, {"kv_blocks": 8, "max_num_batched_tokens": 16}, {}],
+                         ids=["no prefix cache", "chunked", "preempted", "prefix cache warm"])
+def test_prompt_logprobs_are_the_teacher_forced_ones_whatever_the_scheduling(tiny_model_folder, tiny_llm, reference, teacher_forced, engine_args):
+    import torch
+
+    from tokenloop.engine.model_runner import kv_bytes_per_block
+
+    if blocks := engine_args.pop("kv_blocks", None):
+        engine = tiny_llm.llm_engine
+        engine_args["kv_cache_gb"] = blocks * kv_bytes_per_block(engine.model_config, engine.config.block_size, torch.float32) / 2**30
+    llm = make(tiny_model_folder, **engine_args)
+    if not engine_args:  # every prompt already in the prefix cache: scoring must still compute each position
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    batch = (PROMPTS * 6)[:32] if not engine_args else PROMPTS
+    params = [SCORED if i % 2 == 0 else PARAMS for i in range(len(batch))]
+    outs = llm.generate(batch, params, use_tqdm=False)
+    for i, (prompt, out) in enumerate(zip(batch, outs)):
+        k = PROMPTS.index(prompt)
+        assert out.outputs[0].token_ids == reference[k][:len(out.outputs[0].token_ids)]
+        if i % 2:
+            assert out.prompt_logprobs is None
+            continue
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
+        got = [entries[t].logprob for entries, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
+        assert got == pytest.approx(teacher_forced[k], abs=1e-4)
+        assert all(3 <= len(entries) <= 4 for entries in out.prompt_logprobs[1:])
+    if blocks:
+        assert llm.llm_engine.scheduler.num_preemptions > 0

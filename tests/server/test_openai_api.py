@@ -224,3 +224,31 @@ def test_a_list_of_two_prompts_gets_a_choice_for_each(client, hf_tokenizer):
     assert out.usage.completion_tokens == 12
     chunks = list(complete(client, prompt=prompts, max_tokens=6, stream=True))
     assert ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in (0, 1)] == singles
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_sampling_would_see_each_token(client, hf_tokenizer):
+    """What evaluation harnesses send to score a text (echo, logprobs, one token): each prompt token's logprob
+    equals its logprob as the one allowed next token of the prefix before it (raw logprobs, a separate path)."""
+    text = "Hello world! Hello tokenizers, hello templates."
+    ids = hf_tokenizer.encode(text)
+    out = complete(client, prompt=text, max_tokens=1, echo=True, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert out.choices[0].text.startswith(text) and lp.text_offset == sorted(lp.text_offset)
+    for i in (1, len(ids) // 2, len(ids) - 1):
+        forced = complete(client, prompt=ids[:i], max_tokens=1, logprobs=0, extra_body={"allowed_token_ids": [ids[i]]})
+        assert forced.choices[0].logprobs.token_logprobs[0] == pytest.approx(lp.token_logprobs[i], abs=1e-4)
+    assert all(len(top) >= 2 for top in lp.top_logprobs[1:])
+    streamed = list(complete(client, prompt=text, max_tokens=1, echo=True, logprobs=2, stream=True))
+    assert sum((c.choices[0].logprobs.token_logprobs for c in streamed), []) == pytest.approx(lp.token_logprobs, abs=1e-6)
+
+
+def test_prompt_logprobs_field_returns_vllm_shaped_entries(client, hf_tokenizer):
+    ids = hf_tokenizer.encode(PROMPT)
+    out = complete(client, max_tokens=2, extra_body={"prompt_logprobs": 1})
+    entries = out.choices[0].model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(ids)
+    for token_id, entry in zip(ids[1:], entries[1:]):
+        assert str(token_id) in entry and {"logprob", "rank", "decoded_token"} <= set(entry[str(token_id)])
+    chatted = chat(client, max_tokens=2, extra_body={"prompt_logprobs": 0})
+    assert chatted.model_extra["prompt_logprobs"][0] is None and len(chatted.model_extra["prompt_logprobs"]) == chatted.usage.prompt_tokens

@@ -61,10 +61,11 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> None:
         """Take cached blocks for the longest cached prefix of a sequence that holds no blocks yet.
 
-        The last prompt token is always recomputed, since its logits are needed to sample.
+        The last prompt token is always recomputed, since its logits are needed to sample. A sequence that
+        scores its prompt takes nothing: each of its positions' logits is needed.
         """
         assert not seq.block_table and seq.num_computed_tokens == 0
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.score_prompt:
             return
         parent = None
         for start in range(0, seq.num_tokens - 1 - self.block_size + 1, self.block_size):

@@ -16,7 +16,7 @@ import torch
 from tokenloop.engine.block_manager import BlockManager
 from tokenloop.engine.compiled_decode import CompileSpec
 from tokenloop.engine.faults import FaultInjection, InjectedFault
-from tokenloop.engine.model_runner import ModelInput, ModelRunner, StepSamples, kv_bytes_per_block
+from tokenloop.engine.model_runner import ModelInput, ModelRunner, PromptScores, StepSamples, kv_bytes_per_block
 from tokenloop.engine.output_processor import CompletionState, OutputProcessor, RequestState
 from tokenloop.engine.scheduler import ScheduledBatch, Scheduler
 from tokenloop.engine.threads import default_threads
@@ -174,7 +174,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.max_tokens is None:  # up to the context length
             params = replace(params, max_tokens=self.max_model_len - len(token_ids))
-        request = RequestState(request_id, text, token_ids, params)
+        request = RequestState(request_id, text, token_ids, params, prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         self.requests[request_id] = request
         # The other n - 1 completions join once this one has prefilled the prompt: they then find its
         # full blocks in the prefix cache and share them instead of computing them again.
@@ -188,6 +188,7 @@ class LLMEngine:
         if params.seed is not None:  # completion i of a seeded request uses seed + i, as vLLM does
             generator = torch.Generator(self.config.torch_device).manual_seed(params.seed + index)
         seq = Sequence(f"{request.request_id}/{index}", list(request.prompt_token_ids), len(request.prompt_token_ids), params, generator)
+        seq.score_prompt = index == 0 and params.prompt_logprobs is not None  # the others share its prompt
         seq.controls = LogitControls.for_request(
             params, seq.num_prompt_tokens, lambda text: self.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_token_ids,
             self.grammars() if params.structured_outputs is not None else None,
@@ -275,8 +276,8 @@ class LLMEngine:
             return []
         failed: dict[str, Exception] = {}  # request id -> what failed it
         inp, batch = self._prepare(batch, failed)
-        samples = self._run(inp, batch, failed) if batch else None
-        outputs = self._update(batch, inp, samples, failed)
+        samples, scores = self._run(inp, batch, failed) if batch else (None, [])
+        outputs = self._update(batch, inp, samples, scores, failed)
         return outputs + [self._fail(request_id, e) for request_id, e in failed.items() if request_id in self.requests]
 
     def _request_of(self, seq: Sequence) -> str:
@@ -313,22 +314,33 @@ class LLMEngine:
             kept.num_new_tokens.append(n)
         return (self.runner.prepare(kept) if kept else None), kept
 
-    def _run(self, inp: ModelInput, batch: ScheduledBatch, failed: dict[str, Exception]) -> StepSamples | None:
-        """The forward pass, then sampling. A failed forward pass fails every request of the batch (none can be
-        blamed); a failed sampling is retried row by row, so that only the rows that fail are lost."""
+    def _run(self, inp: ModelInput, batch: ScheduledBatch, failed: dict[str, Exception]) -> tuple[StepSamples | None, list[PromptScores]]:
+        """The forward pass, then sampling and prompt scoring. A failed forward pass fails every request of the
+        batch (none can be blamed); a failed sampling is retried row by row, so that only the rows that fail are lost."""
         try:
             logits = self.runner.logits(inp)
         except Exception as e:
             logger.exception("the forward pass failed: failing the %d requests of its batch", len(batch))
             for seq in batch.seqs:
                 failed.setdefault(self._request_of(seq), e)
-            return None
+            return None, []
         if logits is None:
-            return None
+            return None, []
+        scores = []
+        if any(span.num_scored for span in inp.spans):
+            try:
+                scores = self.runner.score(logits, inp, batch.seqs)
+            except Exception as e:
+                for span in inp.spans:
+                    if span.num_scored:
+                        self._failed(failed, self._request_of(batch.seqs[span.seq_index]), "scoring", e)
+        if not inp.sample_spans:
+            return None, scores
+        logits = self.runner.sample_logits(logits, inp)
         seqs = [batch.seqs[i] for i in inp.sample_seq_indices]
         try:
             self._inject("sample", seqs)
-            return self.runner.sample(logits, seqs)
+            return self.runner.sample(logits, seqs), scores
         except Exception:
             pass
         parts = []
@@ -339,15 +351,21 @@ class LLMEngine:
             except Exception as e:
                 self._failed(failed, self._request_of(seq), "sampling", e)
                 parts.append(StepSamples([-1], None, None, None))  # a placeholder row, never read
-        return StepSamples.concat(parts)
+        return StepSamples.concat(parts), scores
 
-    def _update(self, batch: ScheduledBatch, inp: ModelInput | None, samples: StepSamples | None, failed: dict[str, Exception]) -> list[RequestOutput]:
+    def _update(self, batch: ScheduledBatch, inp: ModelInput | None, samples: StepSamples | None, scores: list[PromptScores],
+                failed: dict[str, Exception]) -> list[RequestOutput]:
         """The post-step update, for the requests that did not fail: advance computed tokens, cache full blocks
-        (never those of a failed request: its K/V may be wrong), append samples, fork, finish."""
+        (never those of a failed request: its K/V may be wrong), store prompt logprobs, append samples, fork, finish."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if self._request_of(seq) not in failed:
                 seq.num_computed_tokens += n
                 self.block_manager.cache_full_blocks(seq)
+        for score in scores:
+            seq = batch.seqs[score.seq_index]
+            request, _ = self._by_seq[seq.seq_id]
+            if request.request_id not in failed:
+                self.output_processor.append_prompt_logprobs(request, seq, score)
         progressed: dict[str, RequestState] = {}
         for row, index in enumerate(inp.sample_seq_indices if samples is not None else []):
             seq = batch.seqs[index]

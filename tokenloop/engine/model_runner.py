@@ -21,7 +21,10 @@ from tokenloop.engine.scheduler import ScheduledBatch
 from tokenloop.engine.sequence import Sequence
 from tokenloop.models.attention import AttentionGroup, AttentionMetadata
 from tokenloop.models.config import ModelConfig
-from tokenloop.sampling.sampler import ProcessorInputs, Sampler, SamplerOutput, SamplingBatch
+from tokenloop.sampling.sampler import ProcessorInputs, Sampler, SamplerOutput, SamplingBatch, gather_logprobs
+
+
+SCORE_ROWS = 256  # logit rows log-softmaxed at once when scoring a sequence's own tokens
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -75,13 +78,48 @@ class StepSamples:
 
 
 @dataclass(slots=True)
+class LogitSpan:
+    """The rows of a step's logits that belong to one sequence: its positions [first_position, first_position + count)."""
+
+    seq_index: int  # in the batch
+    start: int  # its first row in the step's logits
+    first_position: int
+    count: int
+    samples: bool  # its last row is the one it samples from (its prefill has caught up)
+
+    @property
+    def num_scored(self) -> int:
+        """Rows that score its own next tokens (teacher forcing) rather than sample a new one."""
+        return self.count - self.samples
+
+
+@dataclass(slots=True)
 class ModelInput:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    sample_rows: torch.Tensor  # [S] flat row of the last token of each sequence that samples this step
-    sample_seq_indices: list[int]  # [S] which sequences of the batch sample (their prefill has caught up)
+    logit_rows: torch.Tensor  # [R] the flat rows whose logits the step computes, span after span
+    spans: list[LogitSpan]  # per sequence that asks for logits, in batch order
     decode_only: bool  # one new token per sequence: the compiled step's case
+
+    @property
+    def sample_spans(self) -> list[LogitSpan]:
+        return [span for span in self.spans if span.samples]
+
+    @property
+    def sample_seq_indices(self) -> list[int]:
+        """[S] which sequences of the batch sample this step."""
+        return [span.seq_index for span in self.spans if span.samples]
+
+
+@dataclass(slots=True)
+class PromptScores:
+    """Logprobs of a sequence's own tokens at positions [first_position, ...), each from the logits one position
+    before it: rows of StepSamples whose token_ids are the scored tokens."""
+
+    seq_index: int
+    first_position: int
+    samples: StepSamples
 
 
 class ModelRunner:
@@ -128,13 +166,23 @@ class ModelRunner:
         for part in parts:
             group = self._attention_group(starts[part], lens[part], (ends - lens)[part], block_tables[part], whole_batch=len(parts) == 1)
             groups.append(AttentionGroup(*(None if a is None else _to_device(a, device) for a in group)))
-        sample_seq_indices = [i for i, (seq, s, n) in enumerate(zip(batch.seqs, starts_list, batch.num_new_tokens)) if s + n == seq.num_tokens]
+        spans, logit_rows = [], []
+        for i, (seq, start, n, first_row) in enumerate(zip(batch.seqs, starts_list, batch.num_new_tokens, (ends - lens).tolist())):
+            # Position p's logits score token p + 1: a prompt being scored asks for the rows of its new prompt
+            # positions; a sequence whose prefill has caught up asks for its last row, to sample from.
+            num_scored = max(0, min(start + n, seq.num_prompt_tokens - 1) - start) if seq.score_prompt else 0
+            samples = start + n == seq.num_tokens
+            assert not (num_scored and samples) or num_scored == n - 1, "a scored prompt runs up to the row that samples"
+            first, count = (start if num_scored else start + n - 1), num_scored + samples
+            if count:
+                spans.append(LogitSpan(i, len(logit_rows), first, count, samples))
+                logit_rows.extend(range(first_row + first - start, first_row + first - start + count))
         return ModelInput(
             input_ids=_to_device(np.array(input_ids, dtype=np.int64), device),
             positions=_to_device(positions, device),
             meta=AttentionMetadata(_to_device(slot_mapping, device), groups),
-            sample_rows=_to_device((ends - 1)[sample_seq_indices], device),
-            sample_seq_indices=sample_seq_indices,
+            logit_rows=_to_device(np.array(logit_rows, dtype=np.int64), device),
+            spans=spans,
             # The compiled package takes contexts of two tokens or more: a one-token prompt's first step runs eager.
             decode_only=bool(decodes.all()) and int((starts + lens).max()) > 1,
         )
@@ -169,17 +217,44 @@ class ModelRunner:
         """Run one step; returns the batch indices of the sequences that sampled, and their samples."""
         inp = self.prepare(batch)
         logits = self.logits(inp)
-        if logits is None:
+        if logits is None or not inp.sample_spans:
             return [], None
-        return inp.sample_seq_indices, self.sample(logits, [batch.seqs[i] for i in inp.sample_seq_indices])
+        return inp.sample_seq_indices, self.sample(self.sample_logits(logits, inp), [batch.seqs[i] for i in inp.sample_seq_indices])
 
     @torch.inference_mode()
     def logits(self, inp: ModelInput) -> torch.Tensor | None:
-        """The forward pass: float32 logits [S, V] of the sequences that sample this step (None if none does)."""
+        """The forward pass: float32 logits [R, V] of the rows the sequences ask for (None if none does)."""
         hidden = self.forward(inp.input_ids, inp.positions, inp.meta, inp.decode_only)
-        if not inp.sample_seq_indices:
+        if not inp.spans:
             return None
-        return self.model.compute_logits(hidden[inp.sample_rows]).float()
+        return self.model.compute_logits(hidden[inp.logit_rows]).float()
+
+    @staticmethod
+    def sample_logits(logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:
+        """[S, V]: the row each sampling sequence samples from (all rows, when no sequence scores tokens)."""
+        if len(inp.sample_spans) == logits.shape[0]:
+            return logits
+        rows = [span.start + span.count - 1 for span in inp.sample_spans]
+        return logits[torch.tensor(rows, device=logits.device)]
+
+    @torch.inference_mode()
+    def score(self, logits: torch.Tensor, inp: ModelInput, seqs: list[Sequence]) -> list[PromptScores]:
+        """Logprobs of the tokens each scoring row predicts (a prompt's own next tokens), with the top
+        params.prompt_logprobs of each row's raw distribution."""
+        scores = []
+        for span in inp.spans:
+            if not span.num_scored:
+                continue
+            seq = seqs[span.seq_index]
+            positions = range(span.first_position + 1, span.first_position + 1 + span.num_scored)
+            targets = torch.tensor([seq.token_ids[p] for p in positions], device=logits.device)
+            parts = []
+            for r in range(0, span.num_scored, SCORE_ROWS):  # log_softmax a slice at a time: no second [R, V] copy
+                rows = slice(span.start + r, span.start + min(r + SCORE_ROWS, span.num_scored))
+                out = gather_logprobs(logits[rows].log_softmax(dim=-1), targets[r : r + SCORE_ROWS], seq.params.prompt_logprobs or 0)
+                parts.append(StepSamples.from_sampler(out))
+            scores.append(PromptScores(span.seq_index, positions.start, StepSamples.concat(parts)))
+        return scores
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> StepSamples:

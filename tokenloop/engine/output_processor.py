@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenloop.engine.model_runner import StepSamples
+from tokenloop.engine.model_runner import PromptScores, StepSamples
 from tokenloop.engine.sequence import Sequence
 from tokenloop.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenloop.sampling.params import SamplingParams
@@ -35,6 +35,8 @@ class RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     completions: list[CompletionState] = field(default_factory=list)
+    # Per prompt token, with params.prompt_logprobs: its logprob and the top k; None for the first, which has no context.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     paused: bool = False  # out of the batches until its reader catches up (engine.pause_request)
 
     @property
@@ -68,6 +70,15 @@ class OutputProcessor:
             seq.finish_reason = "length"
         state.streamed_text += state.detokenizer.stream_delta(finished=seq.finish_reason is not None)
 
+    def append_prompt_logprobs(self, request: RequestState, seq: Sequence, scores: PromptScores) -> None:
+        """Store the logprobs of prompt tokens scored this step; a position scored before (the prompt was
+        recomputed after a preemption) is kept as it was."""
+        for row in range(len(scores.samples.token_ids)):
+            if scores.first_position + row == len(request.prompt_logprobs):
+                request.prompt_logprobs.append(self._logprob_dict(scores.samples, row, request.params.prompt_logprobs))
+        if len(request.prompt_logprobs) == seq.num_prompt_tokens:
+            seq.score_prompt = False  # scored in full: a recompute may take its blocks from the prefix cache
+
     def _logprob_dict(self, samples: StepSamples, row: int, k: int) -> dict[int, Logprob]:
         """The chosen token first, then the top k (the chosen one may be among them: k or k + 1 entries)."""
         ids = samples.logprob_token_ids[row][: k + 1]
@@ -98,4 +109,5 @@ class OutputProcessor:
             outputs=completions,
             finished=request.finished if finished is None else finished,
             num_cached_tokens=request.completions[0].seq.num_cached_tokens,
+            prompt_logprobs=request.prompt_logprobs,
         )

@@ -21,9 +21,6 @@ if TYPE_CHECKING:
     from tokenloop.engine.llm_engine import LLMEngine
     from tokenloop.llm import LLM
 
-LOGIT_ROWS = 128  # rows of [rows, vocab] float32 logits held at once
-
-
 @dataclass(slots=True)
 class PerplexityResult:
     perplexity: float  # exp(nll)
@@ -63,30 +60,22 @@ def perplexity(llm: LLM, text: str, window: int = 512, max_tokens: int | None = 
 @torch.inference_mode()
 def window_logprobs(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
     """[len(token_ids) - 1] float32: log P(token_ids[i + 1] | token_ids[: i + 1]), one fresh context."""
-    runner, blocks, model = engine.runner, engine.block_manager, engine.runner.model
+    runner, blocks = engine.runner, engine.block_manager
     n = len(token_ids)
-    seq = Sequence("perplexity", list(token_ids), n, SamplingParams(max_tokens=1))
+    seq = Sequence("perplexity", list(token_ids), n, SamplingParams(max_tokens=1, prompt_logprobs=0), score_prompt=True)
     if not blocks.allocate(seq, n):  # no prefix-cache lookup or registration: the blocks stay anonymous
         raise ValueError(
             f"a window of {n} tokens needs {blocks.blocks_needed(seq, n)} KV blocks, "
             f"{blocks.num_free_blocks} are free; use a smaller window or a larger kv_cache_gb"
         )
-    targets = torch.tensor(token_ids[1:], device=runner.device)  # [n - 1]
     out = []
     try:
         # Prefill in chunks of the engine's step budget, as the scheduler would, so memory stays bounded.
         while seq.num_computed_tokens < n:
-            start, step = seq.num_computed_tokens, min(engine.config.max_num_batched_tokens, n - seq.num_computed_tokens)
+            step = min(engine.config.max_num_batched_tokens, n - seq.num_computed_tokens)
             inp = runner.prepare(ScheduledBatch([seq], [step]))
-            hidden = model(inp.input_ids, inp.positions, inp.meta)  # [step, hidden]
-            for r in range(0, step, LOGIT_ROWS):
-                rows = min(LOGIT_ROWS, step - r, n - 1 - (start + r))  # the window's last position predicts nothing
-                if rows <= 0:
-                    break
-                logits = model.compute_logits(hidden[r : r + rows]).float()  # [rows, vocab]
-                target = targets[start + r : start + r + rows, None]  # [rows, 1]
-                out.append(torch.log_softmax(logits, dim=-1).gather(1, target).squeeze(1))
+            out += [row[0] for score in runner.score(runner.logits(inp), inp, [seq]) for row in score.samples.logprobs]
             seq.num_computed_tokens += step
     finally:
         blocks.free(seq)
-    return torch.cat(out)
+    return torch.tensor(out)

@@ -34,6 +34,9 @@ class Sequence:
     finish_reason: str | None = None  # "stop" or "length"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     controls: LogitControls | None = None  # the logits processors' state, when its request uses any
+    # Its prompt tokens get logprobs (completion 0 of a request with prompt_logprobs): every prompt position is
+    # computed, none taken from the prefix cache. Cleared once the whole prompt is scored.
+    score_prompt: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -31,6 +31,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # tokens that end the output besides EOS
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top log-probabilities per output token (0..20), besides the chosen one
+    # Logprobs of each prompt token, and the top k at its position (0..20): what evaluation harnesses score.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # Logits processors (sampling/processors.py), applied in this order before the greedy choice or sampling:
     allowed_token_ids: list[int] | None = None  # only these tokens may be chosen
@@ -62,6 +64,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens}")
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"seed must be an integer in [-2^63, 2^63 - 1], got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -19,7 +19,8 @@ from tokenloop.outputs import CompletionOutput, RequestOutput
 from tokenloop.sampling.params import SamplingParams
 from tokenloop.server.errors import ERROR_RESPONSES, APIError, CatchAll, error_body, error_response, install_error_handlers, param_of
 from tokenloop.server.protocol import ChatCompletionRequest, CompletionRequest
-from tokenloop.server.responses import ChoiceIndexer, ChoiceProgress, Usage, chat_logprobs, completion_logprobs
+from tokenloop.server.responses import (ChoiceIndexer, ChoiceProgress, Usage, chat_logprobs, completion_logprobs, join_logprobs,
+                                       legacy_logprobs, prompt_logprobs)
 
 DEFAULT_MAX_N = 128  # OpenAI's own bound on n
 
@@ -106,27 +107,40 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         # best_of > n: that many completions run, and the n with the highest cumulative logprob are returned.
         best_of = body.best_of or body.n
         logprobs = 0 if best_of > body.n and body.logprobs is None else body.logprobs  # to rank them
-        params = _params(lambda: body.sampling_params(body.max_tokens, logprobs, n=best_of))
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo together with logprobs is not supported", "echo")
+        # echo with logprobs returns the prompt's tokens' logprobs too, as OpenAI's legacy API did
+        echo_logprobs = body.logprobs if body.echo else None
+        params = _params(lambda: body.sampling_params(body.max_tokens, logprobs, n=best_of, prompt_logprobs=echo_logprobs))
         streams = start_streams(body.prompts(), params)
         if best_of > body.n:  # the best are known only at the end: a stream gets them then
             streams = [_best_of(s, body.n) for s in streams]
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model_name}
 
-        def prompt_text(out: RequestOutput) -> str:  # what echo returns; token-id prompts have no text of their own
-            return out.prompt if out.prompt is not None else engine.engine.tokenizer.decode(out.prompt_token_ids)
+        tokenizer = engine.engine.tokenizer
+
+        def echoed(out: RequestOutput) -> tuple[str, dict | None]:
+            """What echo puts before the completion: the prompt's text (token-id prompts have none of their
+            own: decoded) and, with logprobs, its tokens' logprobs in the legacy format."""
+            if not body.echo:
+                return "", None
+            text = out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
+            if body.logprobs is None:
+                return text, None
+            first = tokenizer.decode(out.prompt_token_ids[:1], skip_special_tokens=True)  # a BOS is not in the echoed text
+            return text, legacy_logprobs(out.prompt_token_ids, out.prompt_logprobs, body.logprobs, 0, first)
 
         if body.stream:
-            return _sse(_completion_chunks(streams, params, body, meta, prompt_text))
+            return _sse(_completion_chunks(streams, params, body, meta, echoed))
         outs = await _until_disconnected(request, _collect(streams))
         usage, choices = Usage(), []
         for i, out in enumerate(outs):
             usage.add(out)
-            echo = prompt_text(out) if body.echo else ""
+            echo, echo_logprobs = echoed(out)
             for c in out.outputs:
-                logprobs = completion_logprobs(c, 0, body.logprobs, 0) if body.logprobs is not None else None
-                choices.append({"index": i * body.n + c.index, "text": echo + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                logprobs = completion_logprobs(c, 0, body.logprobs, len(echo)) if body.logprobs is not None else None
+                if echo_logprobs is not None:
+                    logprobs = join_logprobs(echo_logprobs, logprobs)
+                choices.append({"index": i * body.n + c.index, "text": echo + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason} | _prompt_logprobs_field(body, out))
         return JSONResponse(meta | {"choices": choices, "usage": usage.as_dict()})
 
     @app.post("/v1/chat/completions", responses=_GENERATION_RESPONSES)
@@ -156,7 +170,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
             }
             for c in out.outputs
         ]
-        return JSONResponse(meta | {"choices": choices, "usage": usage.as_dict()})
+        return JSONResponse(meta | {"choices": choices, "usage": usage.as_dict()} | _prompt_logprobs_field(body, out))
 
     return app
 
@@ -276,23 +290,33 @@ def _usage_chunk(meta: dict, usage: dict[int, RequestOutput]) -> dict:
     return meta | {"choices": [], "usage": total.as_dict()}
 
 
-async def _completion_chunks(streams, params: SamplingParams, body: CompletionRequest, meta: dict, prompt_text: Callable[[RequestOutput], str]) -> AsyncIterator[dict]:
+def _prompt_logprobs_field(body: CompletionRequest | ChatCompletionRequest, out: RequestOutput) -> dict:
+    """vLLM's prompt_logprobs, when the request asked for them by that name."""
+    return {"prompt_logprobs": prompt_logprobs(out)} if body.prompt_logprobs is not None else {}
+
+
+async def _completion_chunks(streams, params: SamplingParams, body: CompletionRequest, meta: dict,
+                             echoed: Callable[[RequestOutput], tuple[str, dict | None]]) -> AsyncIterator[dict]:
     usage: dict[int, RequestOutput] = {}
     async for index, out, c, sent in _choice_updates(streams, body.n, usage):
-        text = c.text[sent.text_len :]
-        if body.echo and not sent.started:
-            text = prompt_text(out) + text
-        logprobs = completion_logprobs(c, sent.logprobs_len, body.logprobs, sent.text_len) if body.logprobs is not None else None
-        if text or c.finish_reason or logprobs and logprobs["tokens"]:
-            yield meta | {"choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+        text, first = c.text[sent.text_len :], not sent.started
+        echo, echo_logprobs = echoed(out) if first else ("", None)
+        logprobs = completion_logprobs(c, sent.logprobs_len, body.logprobs, len(echo) + sent.text_len) if body.logprobs is not None else None
+        if echo_logprobs is not None:
+            logprobs = join_logprobs(echo_logprobs, logprobs)
+        if echo or text or c.finish_reason or logprobs and logprobs["tokens"]:
+            extra = _prompt_logprobs_field(body, out) if first else {}
+            yield meta | {"choices": [{"index": index, "text": echo + text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                                       "stop_reason": c.stop_reason} | extra]}
     if body.include_usage:
         yield _usage_chunk(meta, usage)
 
 
 async def _chat_chunks(stream, params: SamplingParams, body: ChatCompletionRequest, meta: dict) -> AsyncIterator[dict]:
     usage: dict[int, RequestOutput] = {}
-    async for index, _, c, sent in _choice_updates([stream], params.n, usage):
+    async for index, out, c, sent in _choice_updates([stream], params.n, usage):
         delta = {} if sent.started else {"role": "assistant"}
+        extra = _prompt_logprobs_field(body, out) if not sent.started and index == 0 else {}
         logprobs = chat_logprobs(c, sent.logprobs_len, params.logprobs) if params.logprobs is not None else None
         # A token that adds no text yet (part of a UTF-8 character, text held back for a stop string) still
         # sends its logprobs, with empty content: skipping its chunk lost them.
@@ -300,7 +324,7 @@ async def _chat_chunks(stream, params: SamplingParams, body: ChatCompletionReque
         if text or not sent.started or logprobs and logprobs["content"]:
             delta["content"] = text
         if delta or c.finish_reason:
-            yield meta | {"choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+            yield meta | {"choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]} | extra
     if body.include_usage and usage:
         yield _usage_chunk(meta, usage)
 

@@ -36,7 +36,6 @@ _UNSUPPORTED: dict[str, tuple] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "prompt_logprobs": (None,),
     "use_beam_search": (None, False),
 }
 
@@ -143,6 +142,7 @@ class _SamplingRequest(_Request):
     bad_words: Annotated[list[Annotated[str, Field(pattern=r"\S")]], Field(max_length=64)] | None = None  # extension (vLLM)
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None  # extension (vLLM)
     no_repeat_ngram_size: Int(ge=0) = 0  # extension (transformers)
+    prompt_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None  # extension (vLLM): logprobs of the prompt's tokens, top k
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None  # extension (vLLM)
     user: str | None = None
@@ -162,9 +162,10 @@ class _SamplingRequest(_Request):
             return _structured("structured_outputs", json=body.json_, json_object=bool(body.json_object), regex=body.regex, grammar=body.grammar, choice=body.choice)
         return None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, n: int | None = None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, n: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
         """Raises ValueError naming the field for values out of range."""
         return SamplingParams(
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else max(prompt_logprobs, self.prompt_logprobs or 0),
             n=n or self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             seed=self.seed, max_tokens=max_tokens, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos, logprobs=logprobs, presence_penalty=self.presence_penalty,
@@ -181,8 +182,6 @@ class _SamplingRequest(_Request):
 class CompletionRequest(_SamplingRequest):
     model_config = ConfigDict(json_schema_extra={
         "examples": [{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}],
-        # echo with logprobs would need the prompt's logprobs, which are not built yet
-        "not": {"required": ["echo", "logprobs"], "properties": {"echo": {"const": True}, "logprobs": {"type": "integer"}}},
     })
 
     prompt: NonEmptyText | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[NonEmptyText | Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from tokenloop.outputs import CompletionOutput, Logprob, RequestOutput
@@ -43,15 +44,38 @@ def _top(entries: dict[int, Logprob], k: int) -> list[Logprob]:
 
 def completion_logprobs(c: CompletionOutput, start: int, k: int, text_offset: int) -> dict:
     """The legacy completions format, for c's tokens from `start` on; offsets count from `text_offset`."""
+    return legacy_logprobs(c.token_ids[start:], (c.logprobs or [])[start:], k, text_offset)
+
+
+def legacy_logprobs(token_ids: list[int], entries_of: list[dict[int, Logprob] | None], k: int, text_offset: int,
+                    first_token: str | None = None) -> dict:
+    """OpenAI's legacy logprobs of some tokens; a token without entries (a prompt's first: nothing before it
+    to score it) has None, and the text `first_token`."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    for token_id, entries in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
-        chosen = entries[token_id]
-        tokens.append(chosen.decoded_token)
-        token_logprobs.append(chosen.logprob)
-        top_logprobs.append({lp.decoded_token: lp.logprob for lp in _top(entries, k)} | {chosen.decoded_token: chosen.logprob})
+    for token_id, entries in zip(token_ids, entries_of):
+        if entries is None:
+            token, logprob, top = first_token, None, None
+        else:
+            chosen = entries[token_id]
+            token, logprob = chosen.decoded_token, chosen.logprob
+            top = {lp.decoded_token: lp.logprob for lp in _top(entries, k)} | {token: logprob}
+        tokens.append(token)
+        token_logprobs.append(logprob)
+        top_logprobs.append(top)
         offsets.append(text_offset)
-        text_offset += len(chosen.decoded_token or "")
+        text_offset += len(token or "")
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def join_logprobs(first: dict, second: dict) -> dict:
+    return {key: first[key] + second[key] for key in first}
+
+
+def prompt_logprobs(out: RequestOutput) -> list[dict[str, dict] | None] | None:
+    """vLLM's prompt_logprobs: per prompt token, {token id: {logprob, rank, decoded_token}}; None for the first."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if entries is None else {str(t): dataclasses.asdict(lp) for t, lp in entries.items()} for entries in out.prompt_logprobs]
 
 
 def chat_logprobs(c: CompletionOutput, start: int, k: int) -> dict:
