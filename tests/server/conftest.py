@@ -155,3 +155,17 @@ def long_context_model_folder(tiny_model_folder, tmp_path_factory) -> Path:
     config["max_position_embeddings"] = 4096
     (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+@pytest.fixture(scope="session")
+def real_server(default_model_path, tmp_path_factory):
+    """The default model (SmolLM2-135M-Instruct, fast path) behind the server: for what a random model cannot
+    show (a model that writes a tool call, or JSON it was asked for, on its own)."""
+    s = start_server(default_model_path, tmp_path_factory.mktemp("real_server") / "server.log", "--dtype", "auto", "--kv-cache-gb", "0.25")
+    yield s
+    stop_server(s)
+
+
+@pytest.fixture(scope="session")
+def real_client(real_server) -> openai.OpenAI:
+    return real_server.client()

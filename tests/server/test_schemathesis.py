@@ -21,7 +21,11 @@ pytest.importorskip("schemathesis")
 # and the grammar compiler's verdict on a spec's content: a JSON schema it cannot honour, a bad regex or Lark grammar
 CROSS_FIELD_RULES = ("beyond the context length", "best_of must be at least n", "must not exceed max_tokens", "logit_bias has token ids out of the vocabulary",
                      "structured_outputs.json: ", "structured_outputs.regex: ", "structured_outputs.grammar: ",
-                     "structured_outputs cannot be combined with")
+                     "structured_outputs cannot be combined with",
+                     # tools: what a schema cannot say (tool_choice naming one of the tools, unique names, a
+                     # parameters schema llguidance can compile); and the prompt the tools' listing makes
+                     "needs tools", "which is not among the tools", "function names must be unique", "tools constrain the reply already",
+                     ".function.parameters: ", "no room for one more within")
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ from tokenloop.outputs import CompletionOutput, RequestOutput
 from tokenloop.sampling.params import SamplingParams
 from tokenloop.server.errors import ERROR_RESPONSES, APIError, CatchAll, error_body, error_response, install_error_handlers, param_of
 from tokenloop.server.protocol import ChatCompletionRequest, CompletionRequest
-from tokenloop.server.responses import (ChoiceIndexer, ChoiceProgress, Usage, chat_logprobs, completion_logprobs, join_logprobs,
-                                       legacy_logprobs, prompt_logprobs)
+from tokenloop.server.responses import (ChoiceIndexer, ChoiceProgress, ToolCallStream, Usage, chat_logprobs, chat_message, completion_logprobs,
+                                       join_logprobs, legacy_logprobs, prompt_logprobs)
 
 DEFAULT_MAX_N = 128  # OpenAI's own bound on n
 
@@ -148,28 +148,32 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         check_model(body.model)
         check_bounds(body)
         params = _params(lambda: body.sampling_params(body.effective_max_tokens(), body.effective_logprobs()))
+        tools = _params(body.tool_calling)
+        if tools is not None:
+            _params(lambda: tools.check(engine.engine.grammars()))
         try:
             messages = [m.as_template_message() for m in body.messages]
-            prompt = engine.engine.chat_prompt(messages, body.add_generation_prompt)
+            prompt = engine.engine.chat_prompt(messages, body.add_generation_prompt, tools)
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
         streams = start_streams([prompt], params)
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()), "model": model_name}
+        may_call_tools = tools is not None and tools.constrained
         if body.stream:
-            return _sse(_chat_chunks(streams[0], params, body, meta | {"object": "chat.completion.chunk"}))
+            return _sse(_chat_chunks(streams[0], params, body, meta | {"object": "chat.completion.chunk"}, may_call_tools))
         (out,) = await _until_disconnected(request, _collect(streams))
         usage = Usage()
         usage.add(out)
-        choices = [
-            {
+        choices = []
+        for c in out.outputs:
+            message, finish_reason = chat_message(c, may_call_tools)
+            choices.append({
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "logprobs": chat_logprobs(c, 0, params.logprobs) if params.logprobs is not None else None,
-                "finish_reason": c.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": c.stop_reason,
-            }
-            for c in out.outputs
-        ]
+            })
         return JSONResponse(meta | {"choices": choices, "usage": usage.as_dict()} | _prompt_logprobs_field(body, out))
 
     return app
@@ -312,19 +316,28 @@ async def _completion_chunks(streams, params: SamplingParams, body: CompletionRe
         yield _usage_chunk(meta, usage)
 
 
-async def _chat_chunks(stream, params: SamplingParams, body: ChatCompletionRequest, meta: dict) -> AsyncIterator[dict]:
+async def _chat_chunks(stream, params: SamplingParams, body: ChatCompletionRequest, meta: dict, may_call_tools: bool) -> AsyncIterator[dict]:
     usage: dict[int, RequestOutput] = {}
+    replies: dict[int, ToolCallStream] = {}
     async for index, out, c, sent in _choice_updates([stream], params.n, usage):
         delta = {} if sent.started else {"role": "assistant"}
         extra = _prompt_logprobs_field(body, out) if not sent.started and index == 0 else {}
         logprobs = chat_logprobs(c, sent.logprobs_len, params.logprobs) if params.logprobs is not None else None
-        # A token that adds no text yet (part of a UTF-8 character, text held back for a stop string) still
-        # sends its logprobs, with empty content: skipping its chunk lost them.
-        text = c.text[sent.text_len :]
-        if text or not sent.started or logprobs and logprobs["content"]:
-            delta["content"] = text
+        finish_reason = c.finish_reason
+        if may_call_tools:  # content and tool-call deltas from the reply parsed so far
+            reply = replies.setdefault(index, ToolCallStream())
+            delta |= reply.delta(c.text, c.finish_reason is not None)
+            finish_reason = reply.finish_reason(c.finish_reason)
+            if logprobs and logprobs["content"] and not delta:
+                delta["content"] = ""
+        else:
+            # A token that adds no text yet (part of a UTF-8 character, text held back for a stop string) still
+            # sends its logprobs, with empty content: skipping its chunk lost them.
+            text = c.text[sent.text_len :]
+            if text or not sent.started or logprobs and logprobs["content"]:
+                delta["content"] = text
         if delta or c.finish_reason:
-            yield meta | {"choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]} | extra
+            yield meta | {"choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": c.stop_reason}]} | extra
     if body.include_usage and usage:
         yield _usage_chunk(meta, usage)
 

@@ -3,6 +3,8 @@ method (405, with Allow), too many waiting (429, with Retry-After), shutting dow
 
 from __future__ import annotations
 
+import re
+
 import json
 import logging
 
@@ -61,8 +63,8 @@ def error_response(status: int, message: str, param: str | None = None, headers:
 
 def param_of(message: str) -> str | None:
     """Our ValueErrors start with the offending field's name ("temperature must be ...", "structured_outputs.regex: ...")."""
-    first = message.split(" ", 1)[0].rstrip(":").split(".")[0]
-    return first if first.isidentifier() and first not in ("the", "a", "prompt") else None
+    first = re.match(r"[A-Za-z_]\w*(?=[ :.\[]|$)", message)  # "tools[0].function.parameters: ..." names tools
+    return first.group() if first and first.group() not in ("the", "a", "prompt") else None
 
 
 class CatchAll:

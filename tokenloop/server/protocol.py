@@ -13,6 +13,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 
 from tokenloop.sampling.params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
 from tokenloop.sampling.structured import StructuredOutputsParams
+from tokenloop.tools.calling import Function, ToolCalling
 
 # Strict: no coercion of booleans into numbers or numbers into strings; no NaN or infinity.
 _STRICT = ConfigDict(strict=True, allow_inf_nan=False)
@@ -28,8 +29,8 @@ def Int(**bounds) -> Any:
 TokenId = Int(ge=0)
 NonEmptyText = Annotated[str, Field(min_length=1)]
 
-# Fields of OpenAI's API (and vLLM's) that change the result and that this server cannot honour yet: a request
-# that sets one to anything but its neutral value is refused, never served as if it had not asked.
+# Fields of OpenAI's API (and vLLM's) that change the result and that this server cannot honour (tools: on
+# completions): a request that sets one to anything but its neutral value is refused, never served as if it had not asked.
 _UNSUPPORTED: dict[str, tuple] = {
     "suffix": (None, ""),
     "tools": (None, []),
@@ -216,6 +217,31 @@ class ChatMessage(BaseModel):
         return {**(self.model_extra or {}), "role": self.role, "content": content if content is not None else ""}
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore", **_STRICT)
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments; none = any object
+    strict: bool | None = None  # arguments always follow the schema here (its grammar enforces it)
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", **_STRICT)
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid", **_STRICT)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", **_STRICT)
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_SamplingRequest):
     model_config = ConfigDict(json_schema_extra={
         "examples": [{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16, "temperature": 0}],
@@ -228,6 +254,24 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
     add_generation_prompt: bool = True  # extension (vLLM)
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools, else none
+    parallel_tool_calls: bool = True
+
+    def tool_calling(self) -> ToolCalling | None:
+        """The tools and how they may be called; ValueError naming tools or tool_choice."""
+        choice = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+        if not self.tools and choice in (None, "none"):
+            return None
+        functions = [Function(t.function.name, t.function.description, t.function.parameters or {"type": "object"}) for t in self.tools or []]
+        calling = ToolCalling(functions, choice or "auto", self.parallel_tool_calls)
+        if calling.constrained and (self.structured_outputs is not None or (self.response_format is not None and self.response_format.type != "text")):
+            raise ValueError("tool_choice: tools constrain the reply already; set tool_choice to none to use response_format or structured_outputs")
+        return calling
+
+    def structured(self) -> StructuredOutputsParams | None:
+        calling = self.tool_calling()
+        return calling.structured_outputs() if calling is not None and calling.constrained else super().structured()
 
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from dataclasses import dataclass, field
 
 from tokenloop.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenloop.tools.parser import parse_reply
 
 
 @dataclass(slots=True)
@@ -101,3 +103,49 @@ class ChoiceIndexer:
 
     def of(self, index: int) -> ChoiceProgress:
         return self.progress.setdefault(index, ChoiceProgress())
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def chat_message(c: CompletionOutput, may_call_tools: bool) -> tuple[dict, str | None]:
+    """The assistant message of a finished choice and its finish_reason: "tool_calls" when the reply is calls."""
+    reply = parse_reply(c.text, finished=True) if may_call_tools else None
+    if reply is None or not reply.calls:
+        return {"role": "assistant", "content": c.text}, c.finish_reason
+    calls = [{"id": _call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}} for call in reply.calls]
+    return {"role": "assistant", "content": reply.content or None, "tool_calls": calls}, "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+
+
+@dataclass(slots=True)
+class ToolCallStream:
+    """What a stream has sent of a reply that may hold tool calls: content, then each call's id and name in its
+    first delta and its arguments text piece by piece, as OpenAI streams them."""
+
+    content_len: int = 0
+    arguments_len: list[int] = field(default_factory=list)  # per call started
+
+    def delta(self, text: str, finished: bool) -> dict:
+        reply = parse_reply(text, finished)
+        delta: dict = {}
+        if content := reply.content[self.content_len :]:
+            delta["content"] = content
+            self.content_len = len(reply.content)
+        calls = []
+        for i, call in enumerate(reply.calls):
+            if i == len(self.arguments_len):
+                self.arguments_len.append(0)
+                calls.append({"index": i, "id": _call_id(), "type": "function", "function": {"name": call.name, "arguments": ""}})
+            if piece := call.arguments[self.arguments_len[i] :]:
+                if calls and calls[-1]["index"] == i:
+                    calls[-1]["function"]["arguments"] = piece
+                else:
+                    calls.append({"index": i, "function": {"arguments": piece}})
+                self.arguments_len[i] = len(call.arguments)
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if reason == "stop" and self.arguments_len else reason
