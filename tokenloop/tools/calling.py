@@ -9,8 +9,8 @@ A call is written as Hermes / Qwen write it:
 Tools reach the model through its own chat template when the template takes `tools`; otherwise a system
 message lists them as JSON and shows that format (`render_tools`), and earlier calls and tool results in the
 conversation are written in the same format. tool_choice "required" or a named function is a grammar of calls
-only, each call's arguments the function's parameters schema (llguidance's %json), so arguments always parse
-and validate; "auto" lets text come first, and once the text writes the call's opening the call must follow
+only (a named function: one call), each call's arguments the function's parameters schema (llguidance's %json),
+so arguments always parse and validate; "auto" lets text come first, and once the text writes the call's opening the call must follow
 the grammar (a lazy trigger); "none" leaves the output free.
 """
 
@@ -80,7 +80,8 @@ class ToolCalling:
             return None
         called = [f for f in self.functions if self.choice in ("auto", "required") or f.name == self.choice]
         rules = ["%llguidance {}"]
-        more = ' ("\\n" call)*' if self.parallel else ""
+        # A named function is called once (as vLLM does); required and auto may make several calls when parallel.
+        more = ' ("\\n" call)*' if self.parallel and self.choice in ("auto", "required") else ""
         if self.choice == "auto":
             # Free text, or text up to the call's opening (lazy: it ends there) and then calls only.
             rules += [f"start: TEXT | opening call_body{more}", '''opening[lazy]: TEXT "<tool_call>"''', "TEXT: /(.|\\n)*/"]
