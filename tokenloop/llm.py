@@ -11,6 +11,7 @@ from tokenloop.engine.llm_engine import EngineConfig, LLMEngine, Prompt
 from tokenloop.outputs import RequestOutput
 from tokenloop.sampling.params import SamplingParams
 from tokenloop.tokenizer.tokenizer import Tokenizer
+from tokenloop.tools.calling import Function, ToolCalling
 
 Conversation = list[dict[str, str]]
 
@@ -58,12 +59,21 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template, then generate."""
+        """Render each conversation with the model's chat template, then generate. `tools` (OpenAI's
+        {"type": "function", "function": {...}} entries) reach the template, or the default rendering
+        (tools/calling.py); constraining the reply to calls is the server's tool_choice."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.chat_prompt(c, add_generation_prompt) for c in conversations]
+        prompts = [self.chat_prompt(c, add_generation_prompt, continue_final_message, tools) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def chat_prompt(self, conversation: Conversation, add_generation_prompt: bool = True) -> dict:
+    def chat_prompt(self, conversation: Conversation, add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    tools: list[dict] | None = None) -> dict:
         """A conversation as a prompt: the template's text and its token ids (special tokens parsed)."""
-        return self.llm_engine.chat_prompt(conversation, add_generation_prompt)
+        calling = None
+        if tools:
+            functions = [Function(t["function"]["name"], t["function"].get("description"), t["function"].get("parameters") or {"type": "object"}) for t in tools]
+            calling = ToolCalling(functions, "none")
+        return self.llm_engine.chat_prompt(conversation, add_generation_prompt, calling, continue_final_message)

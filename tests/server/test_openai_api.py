@@ -3,6 +3,7 @@ seeds, echo and token-id prompts, on the tiny random model (greedy unless a test
 
 from __future__ import annotations
 
+import openai
 import pytest
 
 from tests.server.conftest import MODEL_NAME
@@ -252,3 +253,13 @@ def test_prompt_logprobs_field_returns_vllm_shaped_entries(client, hf_tokenizer)
         assert str(token_id) in entry and {"logprob", "rank", "decoded_token"} <= set(entry[str(token_id)])
     chatted = chat(client, max_tokens=2, extra_body={"prompt_logprobs": 0})
     assert chatted.model_extra["prompt_logprobs"][0] is None and len(chatted.model_extra["prompt_logprobs"]) == chatted.usage.prompt_tokens
+
+
+def test_continue_final_message_continues_the_assistant_reply(client):
+    prefilled = MESSAGES + [{"role": "assistant", "content": "Sure: here"}]
+    out = chat(client, messages=prefilled, max_tokens=4, extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    fresh = chat(client, messages=prefilled, max_tokens=4)
+    assert out.usage.prompt_tokens < fresh.usage.prompt_tokens  # no end of turn, no new assistant header
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, messages=prefilled, extra_body={"continue_final_message": True})
+    assert e.value.body["param"] == "continue_final_message"

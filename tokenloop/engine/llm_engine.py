@@ -161,13 +161,15 @@ class LLMEngine:
         self.validate_prompt(token_ids, params)
         return {"prompt": text, "prompt_token_ids": token_ids}
 
-    def chat_prompt(self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True, tools: ToolCalling | None = None) -> dict[str, Any]:
+    def chat_prompt(self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True, tools: ToolCalling | None = None,
+                    continue_final_message: bool = False) -> dict[str, Any]:
         """A conversation as a prompt: the chat template's text and its token ids (special tokens parsed). Tools
         reach the template when it takes them, else the default rendering (tools/calling.py)."""
         kwargs: dict[str, Any] = {}
         if tools is not None:
             conversation, kwargs = tools.render(conversation, template_takes_tools="tools" in (self.tokenizer.chat_template or ""))
-        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, **kwargs)
+        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=continue_final_message, **kwargs)
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:

@@ -153,9 +153,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
             _params(lambda: tools.check(engine.engine.grammars()))
         try:
             messages = [m.as_template_message() for m in body.messages]
-            prompt = engine.engine.chat_prompt(messages, body.add_generation_prompt, tools)
+            prompt = engine.engine.chat_prompt(messages, body.add_generation_prompt, tools, body.continue_final_message)
         except ValueError as e:
-            raise APIError(400, str(e), "messages") from None
+            raise APIError(400, str(e), "continue_final_message" if str(e).startswith("continue_final_message") else "messages") from None
         streams = start_streams([prompt], params)
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()), "model": model_name}
         may_call_tools = tools is not None and tools.constrained

@@ -7,6 +7,7 @@ signed 64-bit, text valid Unicode (no lone surrogates). The ranges are part of t
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
@@ -14,6 +15,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 from tokenloop.sampling.params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
 from tokenloop.sampling.structured import StructuredOutputsParams
 from tokenloop.tools.calling import Function, ToolCalling
+
+logger = logging.getLogger(__name__)
 
 # Strict: no coercion of booleans into numbers or numbers into strings; no NaN or infinity.
 _STRICT = ConfigDict(strict=True, allow_inf_nan=False)
@@ -38,6 +41,9 @@ _UNSUPPORTED: dict[str, tuple] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "use_beam_search": (None, False),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "web_search_options": (None,),
 }
 
 
@@ -82,6 +88,8 @@ class _Request(BaseModel):
         for name, value in (self.model_extra or {}).items():
             if name in _UNSUPPORTED and not any(value == neutral and type(value) is type(neutral) for neutral in _UNSUPPORTED[name]):
                 raise ValueError(f"{name}: not supported yet")
+            if name not in _UNSUPPORTED:
+                logger.warning("ignoring the request field %r: this server does not know it", name)
         return self
 
 
@@ -254,6 +262,7 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
     add_generation_prompt: bool = True  # extension (vLLM)
+    continue_final_message: bool = False  # extension (vLLM): continue the last message (with add_generation_prompt false)
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools, else none
     parallel_tool_calls: bool = True

@@ -18,14 +18,25 @@ def render_chat_template(
     add_generation_prompt: bool,
     bos_token: str | None,
     eos_token: str | None,
+    continue_final_message: bool = False,
     **kwargs: Any,
 ) -> str:
-    """The prompt text for `messages`; extra kwargs (tools, documents, enable_thinking, ...) reach the template."""
+    """The prompt text for `messages`; extra kwargs (tools, documents, enable_thinking, ...) reach the template.
+
+    continue_final_message: the prompt ends inside the last message, right after its content (the template's
+    end of turn cut off), so the model continues that message (a prefilled assistant reply), as transformers does.
+    """
     _check_messages(messages)
+    if continue_final_message:
+        if add_generation_prompt:
+            raise ValueError("continue_final_message: set it or add_generation_prompt, not both")
+        final = messages[-1].get("content") or ""
+        if not final.strip():
+            raise ValueError("continue_final_message: the last message has no content to continue")
     kwargs.setdefault("tools", None)  # transformers always passes these two, so `tools is defined` holds
     kwargs.setdefault("documents", None)
     try:
-        return _compile(template).render(
+        text = _compile(template).render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token,
@@ -35,6 +46,13 @@ def render_chat_template(
     except (jinja2.TemplateError, TypeError, AttributeError, KeyError, IndexError) as e:
         # The template evaluates the caller's messages: what it trips over is in them (a number where it loops).
         raise ValueError(f"messages: the chat template cannot render them: {type(e).__name__}: {e}") from e
+    if continue_final_message:
+        # Templates may strip the content: look for it stripped, and cut after it.
+        end = text.rfind(final.strip())
+        if end < 0:
+            raise ValueError("continue_final_message: the template does not write the last message's content as it is")
+        text = text[: end + len(final.strip())]
+    return text
 
 
 def _check_messages(messages: Any) -> None:
