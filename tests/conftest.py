@@ -63,3 +63,18 @@ def tiny_llm(tiny_model_folder):
     from tokenloop import LLM
 
     return LLM(tiny_model_folder, dtype="float32", device="cpu", kv_cache_gb=0.01)
+
+
+@pytest.fixture(scope="session")
+def long_context_model_folder(tiny_model_folder, tmp_path_factory) -> Path:
+    """The tiny model with a 4,096-token context: long prompts, and streams that outgrow the socket buffers."""
+    import json
+    import shutil
+
+    folder = tmp_path_factory.mktemp("tiny_long")
+    for f in tiny_model_folder.iterdir():
+        shutil.copy(f, folder / f.name)
+    config = json.loads((folder / "config.json").read_text())
+    config["max_position_embeddings"] = 4096
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder

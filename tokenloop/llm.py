@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
+from tokenloop.engine.beam_search import BeamSearchParams
 from tokenloop.engine.llm_engine import EngineConfig, LLMEngine, Prompt
 from tokenloop.outputs import RequestOutput
 from tokenloop.sampling.params import SamplingParams
@@ -42,6 +43,11 @@ class LLM:
         # Tokenize and validate every prompt before any runs, so a bad one does not leave the others half-done.
         inputs = [engine.process_prompt(p, sp) for p, sp in zip(prompts, sampling_params)]
         ids = [engine.add_request(p, sp) for p, sp in zip(inputs, sampling_params)]
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step the engine until every request of `ids` has finished; their outputs in that order."""
+        engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generating", disable=not use_tqdm or len(ids) < 2) as bar:
             while engine.has_unfinished_requests():
@@ -52,6 +58,15 @@ class LLM:
         if failed := [out for out in finished.values() if out.error]:
             raise RuntimeError(f"{len(failed)} of {len(ids)} requests failed; the first: {failed[0].error}")
         return [finished[i] for i in ids]
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Beam search per prompt (transformers' semantics, engine/beam_search.py); each output's completions are
+        its best params.n beams, best first. The beams of every prompt run in the same steps."""
+        is_batch = isinstance(prompts, list | tuple) and not (prompts and isinstance(prompts[0], int))
+        prompts = list(prompts) if is_batch else [prompts]
+        engine = self.llm_engine
+        inputs = [engine.process_prompt(p, params) for p in prompts]  # every prompt checked before any runs
+        return self._run([engine.add_beam_request(p, params) for p in inputs], use_tqdm)
 
     def chat(
         self,

@@ -91,3 +91,54 @@ def test_prefix_caching_off_never_hits():
     b = seq(range(10), "b")
     m.match_prefix(b)
     assert b.block_table == [] and not m.cached
+
+
+def test_a_fork_shares_every_block_and_the_first_writer_into_the_shared_tail_copies_it():
+    m = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    parent = seq(range(10), "p")
+    run_prefill(m, parent)  # blocks 0, 1 full; block 2 holds tokens 8, 9
+    child = seq(range(10), "c")
+    m.fork(parent, child, 10)
+    child.num_computed_tokens = 10
+    assert child.block_table == [0, 1, 2] and [b.ref_count for b in m.blocks[:4]] == [2, 2, 2, 0]
+    parent.token_ids.append(10)
+    assert m.blocks_needed(parent, 11) == 1  # its next token goes into block 2, which the child holds too
+    assert m.allocate(parent, 11) and parent.block_table == [0, 1, 3]
+    assert m.take_copies() == [(2, 3)] and m.take_copies() == []
+    assert [b.ref_count for b in m.blocks[:4]] == [2, 2, 1, 1]
+    child.token_ids.append(11)
+    assert m.blocks_needed(child, 11) == 0 and m.allocate(child, 11) and child.block_table == [0, 1, 2]  # block 2 is its own now
+    assert m.take_copies() == []
+    m.free(parent)
+    assert [b.ref_count for b in m.blocks[:4]] == [1, 1, 1, 0] and list(m.free_queue)[0] == 3
+    m.free(child)
+    assert all(b.ref_count == 0 for b in m.blocks) and m.num_free_blocks == 8
+
+
+def test_a_fork_that_recomputes_the_last_prompt_token_copies_the_full_cached_block_it_writes_into():
+    m = BlockManager(num_blocks=8, block_size=4)
+    parent = seq(range(8), "p")
+    run_prefill(m, parent)  # two full blocks, both cached
+    child = seq(range(8), "c")
+    m.fork(parent, child, 8)
+    child.num_computed_tokens = 7  # n > 1: position 7 again, to sample its own first token
+    assert child.num_hashed_blocks == 2 and m.allocate(child, 8) and child.block_table == [0, 2]
+    assert m.take_copies() == [(1, 2)] and child.num_hashed_blocks == 1
+    child.num_computed_tokens = 8
+    m.cache_full_blocks(child)  # the same tokens: the cache keeps the parent's block
+    assert m.cached[m.blocks[1].hash] == 1 and m.blocks[2].hash == m.blocks[1].hash
+    m.free(child)
+    m.free(parent)
+    assert all(b.ref_count == 0 for b in m.blocks)
+
+
+def test_copy_on_write_counts_in_the_blocks_needed_and_fails_whole():
+    m = BlockManager(num_blocks=3, block_size=4, enable_prefix_caching=False)
+    parent = seq(range(6), "p")
+    run_prefill(m, parent)  # blocks 0, 1
+    child = seq(range(6), "c")
+    m.fork(parent, child, 6)
+    child.num_computed_tokens = 6
+    child.token_ids += [6, 7, 8]
+    assert m.blocks_needed(child, 9) == 2 and not m.allocate(child, 9)  # a copy of block 1 and block 3: one is free
+    assert child.block_table == [0, 1] and m.take_copies() == [] and m.blocks[1].ref_count == 2

@@ -185,7 +185,7 @@ def test_a_request_larger_than_the_whole_pool_is_refused(tiny_model_folder):
         small.generate(PROMPTS[1], SamplingParams(max_tokens=30), use_tqdm=False)
 
 
-def test_n_completions_share_the_prompt_blocks_and_follow_seed_plus_index(tiny_llm):
+def test_n_completions_fork_off_the_first_sharing_its_blocks_and_follow_seed_plus_index(tiny_llm):
     params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
     out = tiny_llm.generate(PROMPTS[1], params, use_tqdm=False)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2] and out.finished
@@ -196,11 +196,15 @@ def test_n_completions_share_the_prompt_blocks_and_follow_seed_plus_index(tiny_l
     prompt = PROMPTS[1] * 2
     request_id = engine.add_request(prompt, SamplingParams(n=2, temperature=0, max_tokens=4, ignore_eos=True))
     request = engine.requests[request_id]
+    engine.step()  # the prompt's prefill: the second completion forks off the first, sharing its blocks
+    first, second = (c.seq for c in request.completions)
+    full = len(request.prompt_token_ids) // engine.config.block_size
+    assert full > 0 and second.block_table == first.block_table and second.num_computed_tokens == len(request.prompt_token_ids) - 1
+    engine.step()  # each wrote into the shared last block: a copy each, the full ones still shared
+    assert second.block_table[:full] == first.block_table[:full] and second.block_table[full] != first.block_table[full]
     while engine.has_unfinished_requests():
         engine.step()
-    block = engine.config.block_size
-    assert request.completions[1].seq.num_cached_tokens == (len(request.prompt_token_ids) - 1) // block * block > 0
-    assert request.completions[0].seq.output_token_ids == request.completions[1].seq.output_token_ids
+    assert first.output_token_ids == second.output_token_ids
 
 
 def test_abort_frees_every_block_at_once(tiny_llm):

@@ -121,3 +121,22 @@ def test_greedy_tokens_with_a_penalty_match_transformers_generate(llm_fp32, hf_r
         with torch.no_grad():
             expected = hf_model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)[0, ids.shape[1] :].tolist()
         assert out.outputs[0].token_ids == expected, prompt.get("prompt", "")[:40]
+
+
+def test_beam_search_matches_transformers_generate(llm_fp32, hf_reference):
+    """num_beams=4, num_return_sequences=4, length_penalty=1.0, early_stopping=False, 24 new tokens: the same
+    four beams in the same order for chat prompts (whose beams can end with <|im_end|>) and raw ones."""
+    from tests.engine.test_beam_search import hf_beams
+    from tokenloop import BeamSearchParams
+
+    hf_model, _ = hf_reference
+    batch = [p for p in prompts(llm_fp32) if len(p["prompt_token_ids"]) <= 2000]
+    assert len(batch) >= 6
+    eos = llm_fp32.get_tokenizer().eos_token_ids
+    outs = llm_fp32.beam_search(batch, BeamSearchParams(beam_width=4, max_tokens=24), use_tqdm=False)
+    ended = 0
+    for prompt, out in zip(batch, outs):
+        expected = hf_beams(hf_model, prompt["prompt_token_ids"], eos, 4, 24, length_penalty=1.0, early_stopping=False)
+        assert [c.token_ids for c in out.outputs] == expected, prompt.get("prompt", "")[:40]
+        ended += sum(c.finish_reason == "stop" for c in out.outputs)
+    assert ended > 0  # some beams ended with EOS: that path was compared too

@@ -142,20 +142,6 @@ def server_pid_rss_mb(server: Server) -> float:
     raise AssertionError("no VmRSS in /proc/PID/status")
 
 
-@pytest.fixture(scope="session")
-def long_context_model_folder(tiny_model_folder, tmp_path_factory) -> Path:
-    """The tiny model with a 4,096-token context: long enough for a stream to outgrow the socket buffers."""
-    import json
-    import shutil
-
-    folder = tmp_path_factory.mktemp("tiny_long")
-    for f in tiny_model_folder.iterdir():
-        shutil.copy(f, folder / f.name)
-    config = json.loads((folder / "config.json").read_text())
-    config["max_position_embeddings"] = 4096
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
-
 
 @pytest.fixture(scope="session")
 def real_server(default_model_path, tmp_path_factory):

@@ -263,3 +263,17 @@ def test_continue_final_message_continues_the_assistant_reply(client):
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, messages=prefilled, extra_body={"continue_final_message": True})
     assert e.value.body["param"] == "continue_final_message"
+
+
+def test_use_beam_search_returns_the_n_best_of_best_of_beams(client):
+    out = complete(client, max_tokens=8, n=2, extra_body={"use_beam_search": True, "best_of": 4, "length_penalty": 1.0})
+    assert [c.index for c in out.choices] == [0, 1] and out.choices[0].text != out.choices[1].text
+    again = complete(client, max_tokens=8, n=2, extra_body={"use_beam_search": True, "best_of": 4})
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]  # deterministic
+    for extra, param in [({"temperature": 0.7}, "temperature"), ({"logprobs": 2}, "logprobs"), ({"stream": True}, "stream")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, extra_body={"use_beam_search": True}, **extra)
+        assert e.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as e:
+        complete(client, extra_body={"length_penalty": 2.0})
+    assert e.value.body["param"] == "length_penalty"

@@ -1,6 +1,7 @@
-"""KV block manager: hands out fixed-size cache blocks, counts references, caches full blocks by prefix hash.
+"""KV block manager: hands out fixed-size cache blocks, counts references, caches full blocks by prefix hash,
+forks sequences (a child shares its parent's blocks) and copies a shared block on write.
 
-It counts integers only; the tensors live in the model runner. A full block is keyed by a hash chained to
+It counts integers only; the tensors live in the model runner (which does the copies listed here). A full block is keyed by a hash chained to
 its parent's hash and its own token ids, so equal keys mean equal prefixes (token ids are compared on a hit
 as well, so a hash collision can never serve the wrong cache).
 """
@@ -40,6 +41,9 @@ class BlockManager:
         self.cached: dict[int, int] = {}  # chain hash → block id
         self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache, and how many were found
         self.prefix_hit_tokens = 0
+        # (source, destination) block copies owed before the next forward pass: a sequence about to write into a
+        # block it shares got a copy of its own (copy on write). The scheduler hands them to the step.
+        self.pending_copies: list[tuple[int, int]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -55,8 +59,23 @@ class BlockManager:
         return len(self.blocks) - len(self.free_queue)
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        """New blocks `seq` needs so that its first `num_tokens` tokens have slots."""
-        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+        """New blocks `seq` needs so that its first `num_tokens` tokens have slots (and the block it writes
+        next is its own)."""
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table)) + self._shared_write_block(seq, num_tokens)
+
+    def _shared_write_block(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether the next tokens of `seq` would be written into a block another sequence also holds."""
+        index = seq.num_computed_tokens // self.block_size
+        return num_tokens > seq.num_computed_tokens and index < len(seq.block_table) and self.blocks[seq.block_table[index]].ref_count > 1
+
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
+        """Give `child` (holding no blocks) the blocks of `parent`'s first `num_tokens` tokens, by reference.
+        Whichever of them next writes into a shared, partly filled block gets a copy of it first."""
+        assert not child.block_table
+        child.block_table = parent.block_table[: -(-num_tokens // self.block_size)]
+        for block_id in child.block_table:
+            self.blocks[block_id].ref_count += 1
+        child.num_hashed_blocks = min(parent.num_hashed_blocks, len(child.block_table))
 
     def match_prefix(self, seq: Sequence) -> None:
         """Take cached blocks for the longest cached prefix of a sequence that holds no blocks yet.
@@ -86,12 +105,27 @@ class BlockManager:
         needed = self.blocks_needed(seq, num_tokens)
         if needed > len(self.free_queue):
             return False
+        if self._shared_write_block(seq, num_tokens):
+            index = seq.num_computed_tokens // self.block_size
+            shared, own = seq.block_table[index], self._new_block()
+            self.blocks[shared].ref_count -= 1  # still held by another sequence
+            seq.block_table[index] = own
+            seq.num_hashed_blocks = min(seq.num_hashed_blocks, index)
+            self.pending_copies.append((shared, own))
+            needed -= 1
         for _ in range(needed):
-            block_id = next(iter(self.free_queue))
-            self._evict(block_id)
-            self._take(block_id)
-            seq.block_table.append(block_id)
+            seq.block_table.append(self._new_block())
         return True
+
+    def _new_block(self) -> int:
+        block_id = next(iter(self.free_queue))
+        self._evict(block_id)
+        self._take(block_id)
+        return block_id
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks of `seq` that became full of computed tokens under their chain hashes."""

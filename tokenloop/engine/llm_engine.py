@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from tokenloop.engine.beam_search import Beam, BeamSearch, BeamSearchParams
 from tokenloop.engine.block_manager import BlockManager
 from tokenloop.engine.compiled_decode import CompileSpec
 from tokenloop.engine.faults import FaultInjection, InjectedFault
@@ -22,7 +23,7 @@ from tokenloop.engine.scheduler import ScheduledBatch, Scheduler
 from tokenloop.engine.threads import default_threads
 from tokenloop.engine.sequence import Sequence
 from tokenloop.models.loader import load_model
-from tokenloop.outputs import RequestOutput
+from tokenloop.outputs import CompletionOutput, RequestOutput
 from tokenloop.sampling.params import SamplingParams
 from tokenloop.sampling.processors import LogitControls
 from tokenloop.sampling.structured import GrammarCompiler
@@ -155,8 +156,10 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
-    def process_prompt(self, prompt: Prompt, params: SamplingParams) -> dict[str, Any]:
+    def process_prompt(self, prompt: Prompt, params: SamplingParams | BeamSearchParams) -> dict[str, Any]:
         """Tokenize and validate a prompt: {"prompt", "prompt_token_ids"}, or ValueError before anything is queued."""
+        if isinstance(params, BeamSearchParams):
+            params = params.sampling_params()
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids, params)
         return {"prompt": text, "prompt_token_ids": token_ids}
@@ -172,7 +175,9 @@ class LLMEngine:
                                                   continue_final_message=continue_final_message, **kwargs)
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add_request(self, prompt: Prompt, params: SamplingParams | BeamSearchParams | None = None, request_id: str | None = None) -> str:
+        if isinstance(params, BeamSearchParams):
+            return self.add_beam_request(prompt, params, request_id)
         params = params or SamplingParams()
         processed = self.process_prompt(prompt, params)
         text, token_ids = processed["prompt"], processed["prompt_token_ids"]
@@ -249,6 +254,9 @@ class LLMEngine:
             if not completion.finished:
                 completion.seq.finish_reason = "abort"
                 self.scheduler.finish(completion.seq)
+        for beam in request.beam.beams if request.beam is not None else []:
+            self._by_seq.pop(beam.seq.seq_id, None)
+            self.scheduler.finish(beam.seq)
         return request
 
     def pause_request(self, request_id: str) -> None:
@@ -309,7 +317,7 @@ class LLMEngine:
             return self.runner.prepare(batch), batch
         except Exception:
             pass
-        kept = ScheduledBatch([], [])
+        kept = ScheduledBatch([], [], batch.block_copies)  # the copies are owed whoever fails
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             try:
                 self._inject("prepare", [seq])
@@ -374,25 +382,39 @@ class LLMEngine:
             if request.request_id not in failed:
                 self.output_processor.append_prompt_logprobs(request, seq, score)
         progressed: dict[str, RequestState] = {}
+        beams: dict[str, RequestState] = {}
         for row, index in enumerate(inp.sample_seq_indices if samples is not None else []):
             seq = batch.seqs[index]
             request, completion = self._by_seq[seq.seq_id]
             if request.request_id in failed:
                 continue
+            if request.beam is not None:  # a beam: its row's best tokens wait for the other beams' rows
+                request.beam.add_row(seq, samples.logprob_token_ids[row][1:], samples.logprobs[row][1:])
+                beams[request.request_id] = request
+                continue
             try:
                 self._inject("detokenize", [seq])
                 self.output_processor.append(completion, samples, row)
+                if completion.index == 0 and len(request.completions) == 1:
+                    # The other n - 1 completions fork off this one once it has prefilled the prompt: they share
+                    # its KV blocks and compute only the prompt's last token again, to sample their own first.
+                    for _ in range(request.params.n - 1):
+                        self._fork_completion(request, seq)
                 if completion.finished:
                     self.scheduler.finish(completion.seq)
                     del self._by_seq[completion.seq.seq_id]
-                if completion.index == 0 and len(request.completions) == 1:
-                    for _ in range(request.params.n - 1):
-                        self._add_completion(request)
             except Exception as e:
                 self._failed(failed, request.request_id, "updating", e)
                 continue
             progressed[request.request_id] = request
         outputs = []
+        for request in beams.values():
+            if request.request_id not in failed and request.beam.ready:
+                try:
+                    if (output := self._advance_beams(request)) is not None:
+                        outputs.append(output)
+                except Exception as e:
+                    self._failed(failed, request.request_id, "the beams of", e)
         for request in progressed.values():
             if request.request_id in failed:
                 continue
@@ -410,6 +432,68 @@ class LLMEngine:
         self.scheduler.add(seq)
         if request.paused:
             self.scheduler.pause(seq)
+
+    def _fork_completion(self, request: RequestState, parent: Sequence) -> None:
+        seq = self._new_completion(request)
+        self.scheduler.fork(parent, seq, seq.num_prompt_tokens - 1)
+        if request.paused:
+            self.scheduler.pause(seq)
+
+    def add_beam_request(self, prompt: Prompt, params: BeamSearchParams, request_id: str | None = None) -> str:
+        """A beam search (engine/beam_search.py): its beams are sequences run in the same steps as the other
+        requests; its one output, at the end, holds the best params.n beams, best first."""
+        sampling = params.sampling_params()
+        processed = self.process_prompt(prompt, sampling)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids = processed["prompt_token_ids"]
+        request = RequestState(request_id, processed["prompt"], token_ids, sampling)
+        request.beam = BeamSearch(params, frozenset(self.tokenizer.eos_token_ids), [])
+        seq = self._new_beam(request, Sequence(f"{request_id}/0", list(token_ids), len(token_ids), sampling))
+        request.beam.beams = [Beam(seq, 0.0)]
+        self.requests[request_id] = request
+        self.scheduler.add(seq)
+        return request_id
+
+    def _new_beam(self, request: RequestState, seq: Sequence) -> Sequence:
+        seq.num_candidates = request.beam.num_candidates
+        self._by_seq[seq.seq_id] = (request, None)
+        return seq
+
+    def _advance_beams(self, request: RequestState) -> RequestOutput | None:
+        """One step of a beam search whose live beams all have their rows: fork the continuations off their
+        parents (first the forks, while the parents still hold only their own tokens; then each gets its token),
+        end the beams nobody continues, and at the end return the output."""
+        search = request.beam
+        continuations = search.advance()
+        taken: set[str] = set()
+        seqs = []
+        for c in continuations:
+            parent = c.parent.seq
+            if parent.seq_id in taken:
+                child = Sequence(f"{request.request_id}/{next(search.beam_ids)}", list(parent.token_ids), parent.num_prompt_tokens, parent.params)
+                self.scheduler.fork(parent, self._new_beam(request, child), parent.num_computed_tokens)
+                seqs.append(child)
+            else:
+                taken.add(parent.seq_id)
+                seqs.append(parent)
+        for beam in search.beams:
+            if beam.seq.seq_id not in taken:
+                self.scheduler.finish(beam.seq)
+                del self._by_seq[beam.seq.seq_id]
+        for seq, c in zip(seqs, continuations):
+            seq.token_ids.append(c.token_id)
+        search.beams = [Beam(seq, c.logprob) for seq, c in zip(seqs, continuations)]
+        if not search.done:
+            return None
+        del self.requests[request.request_id]
+        completions = [
+            CompletionOutput(i, self.tokenizer.decode(h.token_ids, skip_special_tokens=True), h.token_ids, h.logprob, None,
+                             "stop" if h.ended_by_eos else "length", None)
+            for i, h in enumerate(search.best())
+        ]
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished=True)
 
     def _fail(self, request_id: str, error: Exception) -> RequestOutput:
         """Abort a request that failed; its output carries the error."""

@@ -101,6 +101,7 @@ class ModelInput:
     logit_rows: torch.Tensor  # [R] the flat rows whose logits the step computes, span after span
     spans: list[LogitSpan]  # per sequence that asks for logits, in batch order
     decode_only: bool  # one new token per sequence: the compiled step's case
+    block_copies: list[tuple[int, int]]  # (source, destination) KV blocks copied before the forward pass
 
     @property
     def sample_spans(self) -> list[LogitSpan]:
@@ -185,6 +186,7 @@ class ModelRunner:
             spans=spans,
             # The compiled package takes contexts of two tokens or more: a one-token prompt's first step runs eager.
             decode_only=bool(decodes.all()) and int((starts + lens).max()) > 1,
+            block_copies=batch.block_copies,
         )
 
     def _attention_group(self, starts: np.ndarray, lens: np.ndarray, first_rows: np.ndarray, block_tables: np.ndarray, whole_batch: bool):
@@ -224,10 +226,24 @@ class ModelRunner:
     @torch.inference_mode()
     def logits(self, inp: ModelInput) -> torch.Tensor | None:
         """The forward pass: float32 logits [R, V] of the rows the sequences ask for (None if none does)."""
+        if inp.block_copies:
+            self.copy_blocks(inp.block_copies)
         hidden = self.forward(inp.input_ids, inp.positions, inp.meta, inp.decode_only)
         if not inp.spans:
             return None
         return self.model.compute_logits(hidden[inp.logit_rows]).float()
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy on write: each destination block gets its source's K/V, in every layer, outside the compiled step
+        (so eager and compiled steps stay alike). A destination is a new block, never a source in the same step;
+        one freed and handed out again within the step gets its last copy."""
+        bs = self.block_size
+        last = {d: s for s, d in copies}
+        src = torch.tensor([s * bs + i for s in last.values() for i in range(bs)], device=self.device)
+        dst = torch.tensor([d * bs + i for d in last for i in range(bs)], device=self.device)
+        for attn in self.model.attention_layers():
+            for pool in (attn.k_cache, attn.v_cache):  # [kv_heads, slots, head_dim]
+                pool[:, dst] = pool[:, src]
 
     @staticmethod
     def sample_logits(logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:
@@ -261,5 +277,6 @@ class ModelRunner:
         """One token per row of `logits`, row i by seqs[i]'s sampling parameters and generator."""
         params = [s.params for s in seqs]
         processors = ProcessorInputs(params, [s.token_ids for s in seqs], [s.controls for s in seqs])
-        sampling = SamplingBatch.from_params(params, [s.generator for s in seqs], logits.shape[-1], logits.device, processors)
+        num_logprobs = [s.num_candidates if s.num_candidates is not None else s.params.logprobs for s in seqs]
+        sampling = SamplingBatch.from_params(params, [s.generator for s in seqs], logits.shape[-1], logits.device, processors, num_logprobs)
         return StepSamples.from_sampler(self.sampler(logits, sampling))

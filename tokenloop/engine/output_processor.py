@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenloop.engine.beam_search import BeamSearch
 from tokenloop.engine.model_runner import PromptScores, StepSamples
 from tokenloop.engine.sequence import Sequence
 from tokenloop.outputs import CompletionOutput, Logprob, RequestOutput
@@ -38,6 +39,7 @@ class RequestState:
     # Per prompt token, with params.prompt_logprobs: its logprob and the top k; None for the first, which has no context.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     paused: bool = False  # out of the batches until its reader catches up (engine.pause_request)
+    beam: BeamSearch | None = None  # a beam search's state (its beams are its sequences; no completions)
 
     @property
     def finished(self) -> bool:

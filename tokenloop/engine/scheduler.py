@@ -9,7 +9,7 @@ generated tokens kept (the prefix cache often gives most of them back).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenloop.engine.block_manager import BlockManager
 from tokenloop.engine.sequence import Sequence, SequenceStatus
@@ -19,6 +19,7 @@ from tokenloop.engine.sequence import Sequence, SequenceStatus
 class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]  # per sequence: tokens computed this step, from seq.num_computed_tokens on
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) blocks to copy first
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -48,6 +49,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n == 0:  # nothing new: a beam waiting for the other beams of its request
+                i += 1
+                continue
             while not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]  # the newest; never one already scheduled this step (those come first)
                 self.preempt(victim)
@@ -73,7 +77,19 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
+        batch.block_copies = self.block_manager.take_copies()
         return batch
+
+    def fork(self, parent: Sequence, child: Sequence, num_computed_tokens: int) -> None:
+        """Start `child` (its tokens a prefix of the parent's, or the parent's) on its parent's blocks: it runs at
+        once, from `num_computed_tokens` on, and shares every block until one of them writes into a shared one."""
+        self.block_manager.fork(parent, child, len(child.token_ids))
+        child.num_computed_tokens = num_computed_tokens
+        if len(self.running) < self.max_num_seqs:
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+        else:  # the batch is full: it waits like any request (and may give its blocks back while it does)
+            self.waiting.append(child)
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -37,6 +37,7 @@ class Sequence:
     # Its prompt tokens get logprobs (completion 0 of a request with prompt_logprobs): every prompt position is
     # computed, none taken from the prefix cache. Cleared once the whole prompt is scored.
     score_prompt: bool = False
+    num_candidates: int | None = None  # a beam: the top k of its row it needs each step (else params.logprobs)
 
     @property
     def num_tokens(self) -> int:

@@ -50,12 +50,13 @@ class SamplingBatch:
         vocab_size: int,
         device: torch.device,
         processors: ProcessorInputs | None = None,
+        num_logprobs: list[int | None] | None = None,  # per row, if not params.logprobs (a beam's candidates)
     ) -> SamplingBatch:
         if len(generators) != len(params):
             raise ValueError(f"generators must have one entry per row, got {len(generators)} for {len(params)} rows")
         greedy = [p.greedy for p in params]
         random_rows = [p for p, g in zip(params, greedy) if not g]
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        wanted = [k for k in (num_logprobs or [p.logprobs for p in params]) if k is not None]
         return cls(
             temperature=torch.tensor(
                 [0.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32, device=device

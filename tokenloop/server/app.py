@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
 from tokenloop.engine.async_engine import AsyncEngine, RequestFailed
+from tokenloop.engine.beam_search import BeamSearchParams
 from tokenloop.outputs import CompletionOutput, RequestOutput
 from tokenloop.sampling.params import SamplingParams
 from tokenloop.server.errors import ERROR_RESPONSES, APIError, CatchAll, error_body, error_response, install_error_handlers, param_of
@@ -91,7 +92,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         if getattr(body, "best_of", None) is not None and body.best_of < body.n:
             raise APIError(400, f"best_of must be at least n ({body.n}), got {body.best_of}", "best_of")
 
-    def start_streams(prompts: list, params: SamplingParams) -> list[AsyncIterator[RequestOutput]]:
+    def start_streams(prompts: list, params: SamplingParams | BeamSearchParams) -> list[AsyncIterator[RequestOutput]]:
         """Validate every prompt before starting any, so that a bad one leaves nothing running."""
         engine.admit(len(prompts))  # 503 while draining, 429 when too many wait
         try:
@@ -109,9 +110,10 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         logprobs = 0 if best_of > body.n and body.logprobs is None else body.logprobs  # to rank them
         # echo with logprobs returns the prompt's tokens' logprobs too, as OpenAI's legacy API did
         echo_logprobs = body.logprobs if body.echo else None
-        params = _params(lambda: body.sampling_params(body.max_tokens, logprobs, n=best_of, prompt_logprobs=echo_logprobs))
+        beams = _params(body.beam_search_params)  # best_of (or n) beams, the n best returned
+        params = beams or _params(lambda: body.sampling_params(body.max_tokens, logprobs, n=best_of, prompt_logprobs=echo_logprobs))
         streams = start_streams(body.prompts(), params)
-        if best_of > body.n:  # the best are known only at the end: a stream gets them then
+        if best_of > body.n and beams is None:  # the best are known only at the end: a stream gets them then
             streams = [_best_of(s, body.n) for s in streams]
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model_name}
 

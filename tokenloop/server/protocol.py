@@ -8,10 +8,11 @@ signed 64-bit, text valid Unicode (no lone surrogates). The ranges are part of t
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from tokenloop.engine.beam_search import BeamSearchParams
 from tokenloop.sampling.params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
 from tokenloop.sampling.structured import StructuredOutputsParams
 from tokenloop.tools.calling import Function, ToolCalling
@@ -40,7 +41,7 @@ _UNSUPPORTED: dict[str, tuple] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "use_beam_search": (None, False),
+    "use_beam_search": (None, False),  # on chat; completions take it
     "audio": (None,),
     "modalities": (None, ["text"]),
     "web_search_options": (None,),
@@ -198,6 +199,26 @@ class CompletionRequest(_SamplingRequest):
     logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
     echo: bool = False
     best_of: Int(ge=1) | None = None  # completions to run, of which the n most likely are returned
+    use_beam_search: bool = False  # extension (vLLM): best_of (or n) beams, the n best returned
+    length_penalty: Annotated[float, Field(ge=-10, le=10)] = 1.0  # extension (vLLM), beam search only
+    early_stopping: bool | Literal["never"] = False  # extension (vLLM), beam search only
+
+    # What a beam search takes besides its own fields; anything else set would be ignored by it, so it is refused.
+    _BEAM_FIELDS: ClassVar[frozenset[str]] = frozenset({"model", "prompt", "max_tokens", "n", "best_of", "use_beam_search", "length_penalty", "early_stopping",
+                              "ignore_eos", "echo", "user", "seed", "stream_options"})
+
+    def beam_search_params(self) -> BeamSearchParams | None:
+        if not self.use_beam_search:
+            for name in ("length_penalty", "early_stopping"):
+                if name in self.model_fields_set:
+                    raise ValueError(f"{name}: only with use_beam_search")
+            return None
+        for name in sorted(self.model_fields_set - self._BEAM_FIELDS):
+            if name == "temperature" and self.temperature == 0 or name == "stream" and not self.stream:
+                continue
+            raise ValueError(f"{name}: not supported with use_beam_search")
+        return BeamSearchParams(beam_width=self.best_of or self.n, max_tokens=self.max_tokens, n=self.n, length_penalty=self.length_penalty,
+                                early_stopping=self.early_stopping, ignore_eos=self.ignore_eos)
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

@@ -80,6 +80,10 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     # Accepted connections inherit this: a fixed kernel send buffer per connection (not autotuned up to 4 MiB),
     # so a slow reader's stream backs up into the server soon, where its request is paused (AsyncEngine).
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+    # And no Nagle: asyncio's accepted sockets here keep it on, so a response's second write (the body after the
+    # headers, the next stream chunk) waited for the client's delayed ACK: 40 ms on every request (/health took
+    # 40 ms; 0.4 ms with this).
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         _DrainingServer(uv_config, engine, config.shutdown_timeout).run(sockets=[sock])
     finally:
