@@ -126,3 +126,18 @@ def test_ctrl_c_during_a_chat_reply_stops_that_reply_and_the_chat_goes_on(tiny_m
     assert "[stopped]" in err and len(engines) == 2 and not engines[0].has_unfinished_requests()
     stats = [line for line in err.splitlines() if line.startswith("prompt:")]
     assert len(stats) == 2 and "decode: 8 tokens" not in stats[0] and "decode: 8 tokens" in stats[1]  # the next turn, whole
+
+
+def test_generate_strategy_beam_prints_the_best_beam_and_vote_prints_the_winner(tiny_model_folder, long_context_model_folder, capsys):
+    from tokenloop import LLM, BeamSearchParams
+
+    best = LLM(tiny_model_folder, dtype="float32", device="cpu", kv_cache_gb=0.01).beam_search("Hello", BeamSearchParams(beam_width=3, max_tokens=6))[0]
+    assert main(["generate", "Hello", "--model", str(tiny_model_folder), "--dtype", "float32", "--strategy", "beam", "--beam-width", "3",
+                 "--max-tokens", "6", "--no-compile"]) == 0
+    assert capsys.readouterr().out == best.outputs[0].text + "\n"
+    assert main(["generate", "Hi", "--model", str(long_context_model_folder), "--strategy", "vote", "--n", "4", "--answer", "([a-z])",
+                 "--max-tokens", "8", "--seed", "1", "--no-compile"]) == 0
+    captured = capsys.readouterr()
+    assert "votes (" in captured.err and len(captured.out.strip()) <= 1
+    assert main(["generate", "Hi", "--model", str(tiny_model_folder), "--strategy", "vote", "--answer", "no group", "--no-compile"]) == 2
+    assert "answer" in capsys.readouterr().err

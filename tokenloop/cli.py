@@ -80,6 +80,9 @@ def cmd_generate(args) -> int:
 
     params = _sampling_params(args)
     llm = _llm(args, args.compile)
+    if args.strategy != "sample":
+        print(_strategy(llm, args, params))
+        return 0
     stats = StreamStats()
     for delta in stream(llm.llm_engine, args.prompt, params, stats):
         print(delta, end="", flush=True)
@@ -87,6 +90,24 @@ def cmd_generate(args) -> int:
     if args.stats:
         print(stats.summary(), file=sys.stderr)
     return 0
+
+
+def _strategy(llm, args, params) -> str:
+    """Several continuations of the prompt at once (--strategy): the best beam, the voted answer, or an outline
+    expanded point by point. Printed when done (nothing to stream: the result is known only at the end)."""
+    from dataclasses import replace
+
+    from tokenloop.engine.beam_search import BeamSearchParams
+
+    if args.strategy == "beam":
+        out = llm.beam_search(args.prompt, BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_tokens), use_tqdm=False)[0]
+        return out.outputs[0].text
+    if args.strategy == "vote":
+        vote = llm.self_consistency(llm.chat_prompt([{"role": "user", "content": args.prompt}]), args.n, args.answer, params)
+        shares = ", ".join(f"{answer}: {count}" for answer, count in vote.votes.items())
+        print(f"votes ({len(vote.samples)} of {args.n} samples): {shares or 'no answer'}", file=sys.stderr)
+        return vote.answer if vote.answer is not None else ""
+    return llm.skeleton_of_thought(args.prompt, replace(params, max_tokens=min(args.max_tokens, 128))).answer
 
 
 def cmd_chat(args) -> int:
@@ -204,6 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("generate", help="stream the continuation of a prompt")
     p.add_argument("prompt")
     _add_model_args(p)
+    p.add_argument("--strategy", choices=["sample", "beam", "vote", "skeleton"], default="sample",
+                   help="sample (stream one continuation, the default); beam: beam search; vote: self-consistency over "
+                        "--n chat answers read by --answer; skeleton: an outline, its points expanded together")
+    p.add_argument("--beam-width", type=int, default=4, help="beams, with --strategy beam (default 4)")
+    p.add_argument("--n", type=int, default=8, help="samples voting, with --strategy vote (default 8)")
+    p.add_argument("--answer", default=r"[Tt]he answer is:?\s*(-?[0-9][0-9,.]*)",
+                   help="regex with one group that reads a sample's answer, with --strategy vote")
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("chat", help="multi-turn chat in the terminal")
     p.add_argument("--system", default=None, help="system message")

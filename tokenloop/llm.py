@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 
 from tqdm import tqdm
 
@@ -11,6 +12,9 @@ from tokenloop.engine.beam_search import BeamSearchParams
 from tokenloop.engine.llm_engine import EngineConfig, LLMEngine, Prompt
 from tokenloop.outputs import RequestOutput
 from tokenloop.sampling.params import SamplingParams
+from tokenloop.strategies import skeleton
+from tokenloop.strategies.self_consistency import AnswerSpec, Vote, VoteCounter
+from tokenloop.strategies.skeleton import Skeleton
 from tokenloop.tokenizer.tokenizer import Tokenizer
 from tokenloop.tools.calling import Function, ToolCalling
 
@@ -67,6 +71,34 @@ class LLM:
         engine = self.llm_engine
         inputs = [engine.process_prompt(p, params) for p in prompts]  # every prompt checked before any runs
         return self._run([engine.add_beam_request(p, params) for p in inputs], use_tqdm)
+
+    def self_consistency(self, prompt: Prompt, n: int, answer: str | dict | AnswerSpec, params: SamplingParams | None = None) -> Vote:
+        """Sample n continuations of `prompt` (forked off one prefill) and vote on their answers: `answer` is a
+        regex with one group, or a JSON schema with an "answer" property (the samples then follow it). The
+        samples still running are aborted once no answer can overtake the leader."""
+        spec = AnswerSpec.of(answer)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {n!r}")
+        engine = self.llm_engine
+        request_id = engine.add_request(prompt, spec.params(params or SamplingParams(temperature=0.8, max_tokens=256), n))
+        counter = VoteCounter(spec, n)
+        while engine.has_unfinished_requests():
+            outs = [out for out in engine.step() if out.request_id == request_id]
+            if outs and (outs[-1].error or counter.update(outs[-1])):
+                if outs[-1].error:
+                    raise RuntimeError(f"the request failed: {outs[-1].error}")
+                engine.abort_request(request_id)
+                break
+        return counter.result()
+
+    def skeleton_of_thought(self, question: str, params: SamplingParams | None = None) -> Skeleton:
+        """Outline first (3-5 points, a grammar), then every point expanded by its own sequence, all in the same
+        steps (their shared prefix, the question and the outline, read from the prefix cache)."""
+        params = params or SamplingParams(temperature=0, max_tokens=96)
+        outline = self.chat(skeleton.outline_conversation(question), skeleton.outline_params(params), use_tqdm=False)[0].outputs[0].text
+        points = skeleton.points_of(outline)
+        expansions = self.chat(skeleton.expansion_conversations(question, outline, points), replace(params, n=1), use_tqdm=False)
+        return skeleton.assemble(points, [out.outputs[0].text for out in expansions])
 
     def chat(
         self,

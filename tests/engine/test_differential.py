@@ -160,3 +160,27 @@ def test_prompt_logprobs_are_the_teacher_forced_ones_whatever_the_scheduling(tin
         assert all(3 <= len(entries) <= 4 for entries in out.prompt_logprobs[1:])
     if blocks:
         assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("engine_args", [{"enable_prefix_caching": False}, {"max_num_batched_tokens": 7}, {"kv_blocks": 10}],
+                         ids=["no prefix cache", "chunked", "preempted"])
+def test_forked_completions_and_beams_are_the_same_whatever_the_scheduling(tiny_model_folder, tiny_llm, engine_args):
+    import torch
+
+    from tokenloop import BeamSearchParams
+    from tokenloop.engine.model_runner import kv_bytes_per_block
+
+    forked = SamplingParams(temperature=1.0, seed=5, max_tokens=16, ignore_eos=True, n=4)
+    beams = BeamSearchParams(beam_width=4, max_tokens=12)
+    expected = ([[c.token_ids for c in o.outputs] for o in tiny_llm.generate(PROMPTS[:3], forked, use_tqdm=False)],
+                [[c.token_ids for c in o.outputs] for o in tiny_llm.beam_search(PROMPTS[:3], beams, use_tqdm=False)])
+    if blocks := engine_args.pop("kv_blocks", None):
+        engine = tiny_llm.llm_engine
+        engine_args["kv_cache_gb"] = blocks * kv_bytes_per_block(engine.model_config, engine.config.block_size, torch.float32) / 2**30
+    llm = make(tiny_model_folder, **engine_args)
+    got = ([[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS[:3], forked, use_tqdm=False)],
+           [[c.token_ids for c in o.outputs] for o in llm.beam_search(PROMPTS[:3], beams, use_tqdm=False)])
+    assert got == expected
+    if blocks:
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert all(b.ref_count == 0 for b in llm.llm_engine.block_manager.blocks)

@@ -25,7 +25,10 @@ CROSS_FIELD_RULES = ("beyond the context length", "best_of must be at least n", 
                      # tools: what a schema cannot say (tool_choice naming one of the tools, unique names, a
                      # parameters schema llguidance can compile); and the prompt the tools' listing makes
                      "needs tools", "which is not among the tools", "function names must be unique", "tools constrain the reply already",
-                     ".function.parameters: ", "no room for one more within")
+                     ".function.parameters: ", "no room for one more within",
+                     # beam search and self-consistency take only their own fields
+                     "only with use_beam_search", "not supported with use_beam_search", "not supported with self_consistency",
+                     "self_consistency: ", "self_consistency.answer", "self_consistency takes one prompt")
 
 
 @pytest.fixture(scope="module")

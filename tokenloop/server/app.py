@@ -20,6 +20,7 @@ from tokenloop.outputs import CompletionOutput, RequestOutput
 from tokenloop.sampling.params import SamplingParams
 from tokenloop.server.errors import ERROR_RESPONSES, APIError, CatchAll, error_body, error_response, install_error_handlers, param_of
 from tokenloop.server.protocol import ChatCompletionRequest, CompletionRequest
+from tokenloop.strategies.self_consistency import AnswerSpec, VoteCounter
 from tokenloop.server.responses import (ChoiceIndexer, ChoiceProgress, ToolCallStream, Usage, chat_logprobs, chat_message, completion_logprobs,
                                        join_logprobs, legacy_logprobs, prompt_logprobs)
 
@@ -84,6 +85,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         if name is not None and name != model_name:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{model_name}`.", "model")
 
+    def meta_of(prefix: str, kind: str) -> dict:
+        return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": model_name}
+
     def check_bounds(body: CompletionRequest | ChatCompletionRequest) -> None:
         """The bounds that depend on this server (the schema states them too)."""
         for name, (bound, why) in bounds.items():
@@ -112,10 +116,18 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         echo_logprobs = body.logprobs if body.echo else None
         beams = _params(body.beam_search_params)  # best_of (or n) beams, the n best returned
         params = beams or _params(lambda: body.sampling_params(body.max_tokens, logprobs, n=best_of, prompt_logprobs=echo_logprobs))
+        vote = _params(body.answer_spec)
+        if vote is not None:
+            if len(body.prompts()) != 1:
+                raise APIError(400, "self_consistency takes one prompt", "prompt")
+            params = vote.params(params, body.n)
         streams = start_streams(body.prompts(), params)
+        if vote is not None:
+            return await _voted(request, streams[0], vote, body.n, meta_of("cmpl", "text_completion"),
+                                lambda c: {"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         if best_of > body.n and beams is None:  # the best are known only at the end: a stream gets them then
             streams = [_best_of(s, body.n) for s in streams]
-        meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model_name}
+        meta = meta_of("cmpl", "text_completion")
 
         tokenizer = engine.engine.tokenizer
 
@@ -158,8 +170,15 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
             prompt = engine.engine.chat_prompt(messages, body.add_generation_prompt, tools, body.continue_final_message)
         except ValueError as e:
             raise APIError(400, str(e), "continue_final_message" if str(e).startswith("continue_final_message") else "messages") from None
+        vote = _params(body.answer_spec)
+        if vote is not None:
+            params = vote.params(params, body.n)
         streams = start_streams([prompt], params)
-        meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()), "model": model_name}
+        meta = meta_of("chatcmpl", "chat.completion")
+        if vote is not None:
+            return await _voted(request, streams[0], vote, body.n, meta,
+                                lambda c: {"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+                                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         may_call_tools = tools is not None and tools.constrained
         if body.stream:
             return _sse(_chat_chunks(streams[0], params, body, meta | {"object": "chat.completion.chunk"}, may_call_tools))
@@ -179,6 +198,34 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         return JSONResponse(meta | {"choices": choices, "usage": usage.as_dict()} | _prompt_logprobs_field(body, out))
 
     return app
+
+
+async def _voted(request: Request, stream: AsyncIterator[RequestOutput], spec: AnswerSpec, n: int, meta: dict, choice_of) -> JSONResponse:
+    """Self-consistency: count the samples' answers as they finish; once the leader cannot be overtaken, leave
+    the stream (which aborts the samples still running). The reply's one choice is the first winning sample."""
+    counter = VoteCounter(spec, n)
+
+    async def count() -> RequestOutput:
+        out = None
+        try:
+            async for out in stream:
+                if counter.update(out):
+                    break
+        except RequestFailed as e:
+            raise APIError(500, f"the engine failed this request: {e}") from None
+        finally:
+            await stream.aclose()
+        return out
+
+    last = await _until_disconnected(request, count())
+    result = counter.result()
+    usage = Usage()
+    usage.add(last)
+    pick = result.winner or (result.samples[0] if result.samples else None)  # no sample answered: the first one
+    choices = [choice_of(pick)] if pick is not None else []
+    votes = {"answer": result.answer, "votes": result.votes, "confidence": result.confidence, "samples": len(result.samples),
+             "stopped_early": result.stopped_early}
+    return JSONResponse(meta | {"choices": choices, "usage": usage.as_dict(), "self_consistency": votes})
 
 
 def _params(make) -> SamplingParams:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 from tokenloop.engine.beam_search import BeamSearchParams
 from tokenloop.sampling.params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
 from tokenloop.sampling.structured import StructuredOutputsParams
+from tokenloop.strategies.self_consistency import AnswerSpec
 from tokenloop.tools.calling import Function, ToolCalling
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,13 @@ class StructuredOutputsBody(BaseModel):
     choice: Annotated[list[NonEmptyText], Field(min_length=1)] = None
 
 
+class SelfConsistencyBody(BaseModel):
+    """tokenloop's extension: n samples vote; the reply is the winning sample, with the votes."""
+
+    model_config = ConfigDict(extra="forbid", **_STRICT)
+    answer: NonEmptyText | dict[str, Any]  # a regex with one group, or a JSON schema with an "answer" property
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", **_STRICT)
     include_usage: bool = False
@@ -153,9 +161,26 @@ class _SamplingRequest(_Request):
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None  # extension (vLLM)
     no_repeat_ngram_size: Int(ge=0) = 0  # extension (transformers)
     prompt_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None  # extension (vLLM): logprobs of the prompt's tokens, top k
+    self_consistency: SelfConsistencyBody | None = None  # extension (tokenloop): the n samples vote on their answer
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None  # extension (vLLM)
     user: str | None = None
+
+    def answer_spec(self) -> AnswerSpec | None:
+        """How self_consistency reads each sample's answer; ValueError naming the field."""
+        if self.self_consistency is None:
+            return None
+        if self.stream:
+            raise ValueError("stream: not supported with self_consistency (the winner is known at the end)")
+        if getattr(self, "best_of", None) is not None or getattr(self, "use_beam_search", False):
+            raise ValueError("self_consistency: not with best_of or use_beam_search")
+        try:
+            spec = AnswerSpec.of(self.self_consistency.answer)
+        except ValueError as e:
+            raise ValueError(f"self_consistency.{e}") from None
+        if spec.schema is not None and self.structured() is not None:
+            raise ValueError("self_consistency: an answer schema constrains the samples already; drop response_format / structured_outputs")
+        return spec
 
     def structured(self) -> StructuredOutputsParams | None:
         """The one grammar response_format or structured_outputs asks for; ValueError naming the field."""
