@@ -145,6 +145,16 @@ def test_pull_compiles_the_package_that_an_engine_then_runs_to_eager_tokens_and_
     eager_llm = LLM(tiny_model_folder, device="cpu", kv_cache_gb=0.01, compile=False)
     eager = [o.outputs[0].token_ids for o in eager_llm.generate(prompts, params, use_tqdm=False)]
     assert batch == eager and single == eager[1]
+    # Forked completions (their block copies done before a step, outside the package) and beams: the same tokens.
+    from tokenloop import BeamSearchParams
+
+    forked = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2)
+    assert [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, forked, use_tqdm=False)] == [[e, e] for e in eager]
+    beams = BeamSearchParams(beam_width=3, max_tokens=10)
+    compiled_beams, eager_beams = (
+        [[c.token_ids for c in o.outputs] for o in engine.beam_search(prompts, beams, use_tqdm=False)] for engine in (llm, eager_llm)
+    )
+    assert compiled_beams == eager_beams
 
     # A fresh process with the package cached: it loads the package and runs it, without torch's compiler.
     script = f"""

@@ -57,3 +57,20 @@ def test_the_newest_running_sequence_is_preempted_when_blocks_run_out():
     assert batch.seqs == [b] and batch.num_new_tokens == [5]
     sched.finish(b)
     assert manager.num_free_blocks == 3 and all(blk.ref_count == 0 for blk in manager.blocks)
+
+
+def test_idle_sequences_holding_the_blocks_a_waiting_one_needs_give_them_back():
+    """Beams waiting for their siblings' rows compute nothing; when they hold every block and the sibling waits
+    for blocks, nothing would ever run again. They are preempted (to the back of the queue) instead."""
+    sched = Scheduler(BlockManager(4, 4, enable_prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=64)
+    a, b, c = seq("a", 8), seq("b", 8), seq("c", 5)
+    for s in (a, b):
+        sched.add(s)
+    batch = sched.schedule()
+    for s, n in zip(batch.seqs, batch.num_new_tokens):
+        s.num_computed_tokens += n  # computed, no token appended: idle, like a beam holding its row
+    sched.add(c)
+    batch = sched.schedule()
+    # c first, then the idle ones behind it as blocks allow (b fits in what is left; a waits)
+    assert [s.seq_id for s in batch.seqs] == ["c", "b"] and [s.seq_id for s in sched.waiting] == ["a"]
+    assert a.num_computed_tokens == b.num_computed_tokens == 0 and sched.num_preemptions == 2

@@ -59,7 +59,7 @@ def test_regex_choice_json_object_and_grammar_through_structured_outputs(client)
     ({"structured_outputs": {"regex": "("}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "string", "format": "no-such-format"}}}}}}, None),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "string", "format": "no-such-format"}}}}}}, "response_format"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
 ])
 def test_specs_that_cannot_be_honoured_are_a_400(client, body, param):

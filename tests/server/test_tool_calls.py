@@ -141,3 +141,24 @@ def test_the_parser_only_ever_extends_what_it_gave_before():
     assert before.content == "Let me see. " and [(c.name, json.loads(c.arguments)) for c in before.calls] == [
         ("get_weather", {"city": "Paris", "unit": "c"}), ("route", {"from": [1, 2], "to": [3, 4]})]
     assert parse_reply(text[:-5], True).calls[-1].name == "get_weather"  # a call cut short is not a call
+
+
+def test_a_template_that_takes_tools_gets_them_and_call_arguments_as_objects():
+    from tokenloop.tokenizer.chat_template import render_chat_template
+    from tokenloop.tools.calling import Function
+
+    template = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.role }}:{{ m.content }}"
+                "{% for c in m.tool_calls or [] %}<{{ c.function.arguments.n }}>{% endfor %};{% endfor %}")
+    calling = ToolCalling([Function("count", None, COUNT)], "auto")
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "count", "arguments": '{"n": 5}'}}]}]
+    rendered, kwargs = calling.render(messages, template_takes_tools=True)
+    assert render_chat_template(template, rendered, False, None, None, **kwargs) == "[count]user:hi;assistant:<5>;"
+    bad = [messages[0], {**messages[1], "tool_calls": [{"function": {"name": "count", "arguments": "{not json"}}]}]
+    with pytest.raises(ValueError, match="^messages: a tool call's arguments are not JSON"):
+        calling.render(bad, template_takes_tools=True)
+
+
+def test_llm_chat_renders_the_tools_it_is_given(tiny_llm):
+    prompt = tiny_llm.chat_prompt([{"role": "user", "content": "hi"}], tools=[tool("count", COUNT)])["prompt"]
+    assert '"name": "count"' in prompt and "<tool_call>" in prompt

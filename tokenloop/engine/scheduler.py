@@ -77,6 +77,15 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
+        if not batch and self.waiting:
+            # Nothing runs: every running sequence is idle (a beam waiting for its siblings' rows) and holds the
+            # blocks the waiting ones need, so nothing would ever change. They give them back, newest first, and
+            # wait behind the others (their rows are kept; they are recomputed later).
+            idle = [seq for seq in self.running if seq.num_tokens == seq.num_computed_tokens]
+            for seq in reversed(idle):
+                self.preempt(seq, front=False)
+            if idle:
+                return self.schedule()
         batch.block_copies = self.block_manager.take_copies()
         return batch
 
@@ -91,12 +100,15 @@ class Scheduler:
         else:  # the batch is full: it waits like any request (and may give its blocks back while it does)
             self.waiting.append(child)
 
-    def preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence, front: bool = True) -> None:
         self.running.remove(seq)
         self._release(seq)
         seq.status = SequenceStatus.WAITING
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def _release(self, seq: Sequence) -> None:
         """Give back a sequence's blocks; its K/V is then computed again (the prefix cache may return some)."""

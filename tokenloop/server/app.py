@@ -96,13 +96,16 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         if getattr(body, "best_of", None) is not None and body.best_of < body.n:
             raise APIError(400, f"best_of must be at least n ({body.n}), got {body.best_of}", "best_of")
 
-    def start_streams(prompts: list, params: SamplingParams | BeamSearchParams) -> list[AsyncIterator[RequestOutput]]:
+    def start_streams(prompts: list, params: SamplingParams | BeamSearchParams, body: CompletionRequest | ChatCompletionRequest) -> list[AsyncIterator[RequestOutput]]:
         """Validate every prompt before starting any, so that a bad one leaves nothing running."""
         engine.admit(len(prompts))  # 503 while draining, 429 when too many wait
         try:
             tokenized = [engine.engine.process_prompt(p, params) for p in prompts]
         except ValueError as e:
-            raise APIError(400, str(e), param_of(str(e)) or "prompt") from None
+            message = str(e)
+            if message.startswith("structured_outputs.json") and body.response_format is not None:  # the schema the client sent
+                message = message.replace("structured_outputs.json", "response_format.json_schema.schema", 1)
+            raise APIError(400, message, param_of(message) or "prompt") from None
         return [engine.generate(t, params) for t in tokenized]
 
     @app.post("/v1/completions", responses=_GENERATION_RESPONSES)
@@ -121,7 +124,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
             if len(body.prompts()) != 1:
                 raise APIError(400, "self_consistency takes one prompt", "prompt")
             params = vote.params(params, body.n)
-        streams = start_streams(body.prompts(), params)
+        streams = start_streams(body.prompts(), params, body)
         if vote is not None:
             return await _voted(request, streams[0], vote, body.n, meta_of("cmpl", "text_completion"),
                                 lambda c: {"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
@@ -173,7 +176,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         vote = _params(body.answer_spec)
         if vote is not None:
             params = vote.params(params, body.n)
-        streams = start_streams([prompt], params)
+        streams = start_streams([prompt], params, body)
         meta = meta_of("chatcmpl", "chat.completion")
         if vote is not None:
             return await _voted(request, streams[0], vote, body.n, meta,
