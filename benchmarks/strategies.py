@@ -8,8 +8,8 @@ the vote of n samples (forked off one prefill; counting stops once the leader ca
 answer is the number after "The answer is". Honest figures: the default model has 135M parameters.
 
 Skeleton-of-thought: for a few open questions, the end-to-end latency of outline-then-expand with the
-expansions in one batch against writing the same answer sequentially (the same outline, then the same
-expansion prompts one after another: greedy, so the same text).
+expansions forked off the outline and run together, against writing the same answer sequentially (the same
+outline, then the same expansion prompts one after another).
 """
 
 from __future__ import annotations
@@ -17,11 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from tokenloop import LLM, SamplingParams
-from tokenloop.strategies import skeleton
 from tokenloop.strategies.self_consistency import AnswerSpec
 
 DATA = Path(__file__).parent / "data" / "arithmetic_word_problems.jsonl"
@@ -74,11 +72,9 @@ def skeleton_latency(llm: LLM, questions: list[str]) -> None:
         start = time.perf_counter()
         result = llm.skeleton_of_thought(question, params)
         parallel_s += time.perf_counter() - start
-        # The same answer written sequentially: the same outline, then each expansion alone, one after another.
+        # The same answer written sequentially: the same outline, then the same expansion prompts one after another.
         start = time.perf_counter()
-        outline = llm.chat(skeleton.outline_conversation(question), skeleton.outline_params(params), use_tqdm=False)[0].outputs[0].text
-        texts = [llm.chat(c, replace(params, n=1), use_tqdm=False)[0].outputs[0].text
-                 for c in skeleton.expansion_conversations(question, outline, skeleton.points_of(outline))]
+        texts = llm.skeleton_of_thought(question, params, together=False).expansions
         sequential_s += time.perf_counter() - start
         same = texts == result.expansions
         print(f"  {question!r}: {len(result.points)} points, same text sequentially: {same}")

@@ -91,14 +91,27 @@ class LLM:
                 break
         return counter.result()
 
-    def skeleton_of_thought(self, question: str, params: SamplingParams | None = None) -> Skeleton:
-        """Outline first (3-5 points, a grammar), then every point expanded by its own sequence, all in the same
-        steps (their shared prefix, the question and the outline, read from the prefix cache)."""
+    def skeleton_of_thought(self, question: str, params: SamplingParams | None = None, together: bool = True) -> Skeleton:
+        """Outline first (3-5 points, a grammar), then every point expanded by a sequence forked off the outline's
+        (its question-and-outline blocks shared), all in the same steps; `together=False` expands them one after
+        another instead (the same prompts: what the benchmark compares against)."""
         params = params or SamplingParams(temperature=0, max_tokens=96)
-        outline = self.chat(skeleton.outline_conversation(question), skeleton.outline_params(params), use_tqdm=False)[0].outputs[0].text
-        points = skeleton.points_of(outline)
-        expansions = self.chat(skeleton.expansion_conversations(question, outline, points), replace(params, n=1), use_tqdm=False)
-        return skeleton.assemble(points, [out.outputs[0].text for out in expansions])
+        engine = self.llm_engine
+        prompt = self.chat_prompt(skeleton.outline_conversation(question))
+        outline_id = engine.add_request(prompt, skeleton.outline_params(params), retain=True)
+        try:
+            outline = self._run([outline_id], use_tqdm=False)[0].outputs[0]
+            points = skeleton.points_of(outline.text)
+            conversations = skeleton.expansion_conversations(question, outline.text, points)
+            suffixes = skeleton.expansion_suffixes(self.get_tokenizer(), prompt["prompt"], outline.token_ids, conversations)
+            expansion = replace(params, n=1)
+            if together:
+                outs = self._run(engine.fork_request(outline_id, suffixes, expansion), use_tqdm=False)
+            else:
+                outs = [self._run(engine.fork_request(outline_id, [suffix], expansion), use_tqdm=False)[0] for suffix in suffixes]
+        finally:
+            engine.release_request(outline_id)
+        return skeleton.assemble(points, [out.outputs[0].text for out in outs])
 
     def chat(
         self,

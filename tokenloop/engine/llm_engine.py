@@ -140,6 +140,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.faults = [FaultInjection.parse(spec) for spec in config.inject_faults]
         self._grammars: GrammarCompiler | None = None
+        self._retained: dict[str, Sequence] = {}  # finished requests' sequences that keep their blocks (retain=True)
 
     def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -175,10 +176,15 @@ class LLMEngine:
                                                   continue_final_message=continue_final_message, **kwargs)
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | BeamSearchParams | None = None, request_id: str | None = None) -> str:
+    def add_request(self, prompt: Prompt, params: SamplingParams | BeamSearchParams | None = None, request_id: str | None = None,
+                    retain: bool = False) -> str:
+        """Queue a request. `retain` (n = 1): once it finishes, its sequence keeps its KV blocks, for
+        fork_request to continue it, until release_request."""
         if isinstance(params, BeamSearchParams):
             return self.add_beam_request(prompt, params, request_id)
         params = params or SamplingParams()
+        if retain and params.n != 1:
+            raise ValueError(f"n must be 1 for a retained request, got {params.n}")
         processed = self.process_prompt(prompt, params)
         text, token_ids = processed["prompt"], processed["prompt_token_ids"]
         request_id = request_id if request_id is not None else str(next(self._ids))
@@ -186,7 +192,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.max_tokens is None:  # up to the context length
             params = replace(params, max_tokens=self.max_model_len - len(token_ids))
-        request = RequestState(request_id, text, token_ids, params, prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+        request = RequestState(request_id, text, token_ids, params, prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+                               retain=retain)
         self.requests[request_id] = request
         # The other n - 1 completions join once this one has prefilled the prompt: they then find its
         # full blocks in the prefix cache and share them instead of computing them again.
@@ -401,7 +408,11 @@ class LLMEngine:
                     for _ in range(request.params.n - 1):
                         self._fork_completion(request, seq)
                 if completion.finished:
-                    self.scheduler.finish(completion.seq)
+                    if request.retain:  # its blocks stay for fork_request, until release_request
+                        self.scheduler.finish(completion.seq, free=False)
+                        self._retained[request.request_id] = completion.seq
+                    else:
+                        self.scheduler.finish(completion.seq)
                     del self._by_seq[completion.seq.seq_id]
             except Exception as e:
                 self._failed(failed, request.request_id, "updating", e)
@@ -432,6 +443,30 @@ class LLMEngine:
         self.scheduler.add(seq)
         if request.paused:
             self.scheduler.pause(seq)
+
+    def fork_request(self, request_id: str, suffixes: list[list[int]], params: SamplingParams) -> list[str]:
+        """New requests that continue a finished, retained one: each prompt is its tokens (prompt and output)
+        followed by a suffix, and starts on its KV blocks, by reference; only the suffix is computed."""
+        parent = self._retained.get(request_id)
+        if parent is None:
+            raise ValueError(f"request {request_id!r} is not a finished request kept with retain=True")
+        ids = []
+        for suffix in suffixes:
+            token_ids = parent.token_ids + list(suffix)
+            self.validate_prompt(token_ids, params)
+            child_id = str(next(self._ids))
+            params_of_child = replace(params, max_tokens=params.max_tokens or self.max_model_len - len(token_ids))
+            request = RequestState(child_id, None, token_ids, params_of_child)
+            self.requests[child_id] = request
+            seq = self._new_completion(request)
+            self.scheduler.fork(parent, seq, parent.num_computed_tokens)
+            ids.append(child_id)
+        return ids
+
+    def release_request(self, request_id: str) -> None:
+        """Free the blocks a finished, retained request kept."""
+        if (seq := self._retained.pop(request_id, None)) is not None:
+            self.block_manager.free(seq)
 
     def _fork_completion(self, request: RequestState, parent: Sequence) -> None:
         seq = self._new_completion(request)

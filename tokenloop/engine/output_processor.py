@@ -40,6 +40,7 @@ class RequestState:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     paused: bool = False  # out of the batches until its reader catches up (engine.pause_request)
     beam: BeamSearch | None = None  # a beam search's state (its beams are its sequences; no completions)
+    retain: bool = False  # once finished, its sequence keeps its blocks (LLMEngine.fork_request)
 
     @property
     def finished(self) -> bool:

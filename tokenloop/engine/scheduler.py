@@ -136,10 +136,12 @@ class Scheduler:
             seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: Sequence, free: bool = True) -> None:
+        """Out of the queues; its blocks freed, unless `free` is False (kept for forks: the engine frees them)."""
         seq.status = SequenceStatus.FINISHED
         for queue in (self.running, self.waiting, self.paused):
             if seq in queue:
                 queue.remove(seq)
                 break
-        self.block_manager.free(seq)
+        if free:
+            self.block_manager.free(seq)

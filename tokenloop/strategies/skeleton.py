@@ -1,7 +1,7 @@
 """Skeleton-of-thought: one sequence writes a short outline of the answer (a grammar keeps it to 3-5 numbered
-points), then every point is expanded by its own sequence, all in the same steps; the answer is the expansions
-in the outline's order. The expansions' prompts share the question and the outline, which they read from the
-prefix cache (every full block of it) instead of computing it again.
+points), then every point is expanded by a sequence forked off the outline's (sharing the question-and-outline
+blocks; only the request to expand its point is computed), all in the same steps; the answer is the expansions
+in the outline's order.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def outline_conversation(question: str) -> list[dict[str, str]]:
 
 
 def outline_params(params: SamplingParams) -> SamplingParams:
-    return replace(params, n=1, max_tokens=128, structured_outputs=StructuredOutputsParams(regex=OUTLINE))
+    # (ignore_eos off: once the grammar is complete only EOS may follow, and it must end the outline)
+    return replace(params, n=1, max_tokens=128, ignore_eos=False, structured_outputs=StructuredOutputsParams(regex=OUTLINE))
 
 
 def points_of(outline: str) -> list[str]:
@@ -42,6 +43,19 @@ def expansion_conversations(question: str, outline: str, points: list[str]) -> l
     """One conversation per point; all start with the question and the outline (a shared prefix)."""
     head = outline_conversation(question) + [{"role": "assistant", "content": outline}]
     return [head + [{"role": "user", "content": EXPAND_ASK.format(number=i + 1, point=point)}] for i, point in enumerate(points)]
+
+
+def expansion_suffixes(tokenizer, outline_prompt: str, outline_token_ids: list[int], conversations: list[list[dict[str, str]]]) -> list[list[int]]:
+    """The tokens each expansion adds after the outline's own (prompt and output, its end of turn included), read
+    off the chat template: ValueError if the template does not write the expansions' prompts that way."""
+    written = outline_prompt + tokenizer.decode(outline_token_ids, skip_special_tokens=False)
+    suffixes = []
+    for conversation in conversations:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+        if not text.startswith(written):
+            raise ValueError("the chat template does not continue the outline's turn as it ended")
+        suffixes.append(tokenizer.encode(text[len(written):], add_special_tokens=False))
+    return suffixes
 
 
 def assemble(points: list[str], expansions: list[str]) -> Skeleton:
