@@ -134,6 +134,5 @@ class LLM:
         """A conversation as a prompt: the template's text and its token ids (special tokens parsed)."""
         calling = None
         if tools:
-            functions = [Function(t["function"]["name"], t["function"].get("description"), t["function"].get("parameters") or {"type": "object"}) for t in tools]
-            calling = ToolCalling(functions, "none")
+            calling = ToolCalling([Function.from_openai(t["function"]) for t in tools], "none")
         return self.llm_engine.chat_prompt(conversation, add_generation_prompt, calling, continue_final_message)

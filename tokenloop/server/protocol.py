@@ -318,7 +318,7 @@ class ChatCompletionRequest(_SamplingRequest):
         choice = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
         if not self.tools and choice in (None, "none"):
             return None
-        functions = [Function(t.function.name, t.function.description, t.function.parameters or {"type": "object"}) for t in self.tools or []]
+        functions = [Function.from_openai(t.function.model_dump()) for t in self.tools or []]
         calling = ToolCalling(functions, choice or "auto", self.parallel_tool_calls)
         if calling.constrained and (self.structured_outputs is not None or (self.response_format is not None and self.response_format.type != "text")):
             raise ValueError("tool_choice: tools constrain the reply already; set tool_choice to none to use response_format or structured_outputs")

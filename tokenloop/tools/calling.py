@@ -32,6 +32,11 @@ class Function:
     description: str | None
     parameters: dict[str, Any]  # a JSON schema of the arguments object
 
+    @classmethod
+    def from_openai(cls, function: dict[str, Any]) -> Function:
+        """From the `function` of an OpenAI tool: name, description, parameters (none = any object)."""
+        return cls(function["name"], function.get("description"), function.get("parameters") or {"type": "object"})
+
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "description": self.description, "parameters": self.parameters}
 
