@@ -187,17 +187,22 @@ class LLMEngine:
             raise ValueError(f"n must be 1 for a retained request, got {params.n}")
         processed = self.process_prompt(prompt, params)
         text, token_ids = processed["prompt"], processed["prompt_token_ids"]
-        request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        request_id = self._request_id(request_id)
         if params.max_tokens is None:  # up to the context length
             params = replace(params, max_tokens=self.max_model_len - len(token_ids))
         request = RequestState(request_id, text, token_ids, params, prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                                retain=retain)
         self.requests[request_id] = request
-        # The other n - 1 completions join once this one has prefilled the prompt: they then find its
-        # full blocks in the prefix cache and share them instead of computing them again.
+        # The other n - 1 completions fork off this one once it has prefilled the prompt (_update).
         self._add_completion(request)
+        return request_id
+
+    def _request_id(self, request_id: str | None) -> str:
+        """The caller's id, checked to be free, or a new one."""
+        if request_id is None:
+            return str(next(self._ids))
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
         return request_id
 
     def _new_completion(self, request: RequestState) -> Sequence:
@@ -454,7 +459,7 @@ class LLMEngine:
         for suffix in suffixes:
             token_ids = parent.token_ids + list(suffix)
             self.validate_prompt(token_ids, params)
-            child_id = str(next(self._ids))
+            child_id = self._request_id(None)
             params_of_child = replace(params, max_tokens=params.max_tokens or self.max_model_len - len(token_ids))
             request = RequestState(child_id, None, token_ids, params_of_child)
             self.requests[child_id] = request
@@ -479,9 +484,7 @@ class LLMEngine:
         requests; its one output, at the end, holds the best params.n beams, best first."""
         sampling = params.sampling_params()
         processed = self.process_prompt(prompt, sampling)
-        request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        request_id = self._request_id(request_id)
         token_ids = processed["prompt_token_ids"]
         request = RequestState(request_id, processed["prompt"], token_ids, sampling)
         request.beam = BeamSearch(params, frozenset(self.tokenizer.eos_token_ids), [])
