@@ -141,17 +141,28 @@ class BlockManager:
                 self.cached.setdefault(block.hash, block.block_id)
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
 
+    def trim(self, seq: Sequence) -> None:
+        """Free the blocks past `seq`'s tokens (they held only rejected draft tokens' K/V), tail first."""
+        keep = -(-seq.num_tokens // self.block_size)
+        for block_id in reversed(seq.block_table[keep:]):
+            self._drop(block_id)
+        del seq.block_table[keep:]
+        seq.num_hashed_blocks = min(seq.num_hashed_blocks, keep)
+
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references, tail first, so that the tail of a prefix chain is evicted first."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_queue[block_id] = None
-                if block.hash is None:
-                    self.free_queue.move_to_end(block_id, last=False)
+            self._drop(block_id)
         seq.block_table.clear()
         seq.num_hashed_blocks = 0
+
+    def _drop(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_queue[block_id] = None
+            if block.hash is None:
+                self.free_queue.move_to_end(block_id, last=False)
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

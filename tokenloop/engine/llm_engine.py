@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -27,6 +28,10 @@ from tokenloop.outputs import CompletionOutput, RequestOutput
 from tokenloop.sampling.params import SamplingParams
 from tokenloop.sampling.processors import LogitControls
 from tokenloop.sampling.structured import GrammarCompiler
+from tokenloop.spec.config import SpeculativeConfig
+from tokenloop.spec.draft_model import DraftModelProposer
+from tokenloop.spec.ngram import NgramProposer
+from tokenloop.spec.speculator import Speculator
 from tokenloop.tokenizer.detokenizer import IncrementalDetokenizer
 from tokenloop.tools.calling import ToolCalling
 
@@ -71,6 +76,8 @@ class EngineConfig:
     compile_in_background: bool = True
     threads: int | None = None  # CPU threads for the step (torch.set_num_threads); None = one per idle core (engine/threads.py)
     inject_faults: tuple[str, ...] = ()  # tests only: "STAGE:TOKEN_ID" each (engine/faults.py)
+    # Speculative decoding (spec/): {"method": "ngram" | "draft", "num_speculative_tokens": k, ...}; None = off.
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -84,6 +91,8 @@ class EngineConfig:
             _check_device(self.device)
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"threads must be an integer >= 1, got {self.threads!r}")
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.of(self.speculative_config)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -121,13 +130,9 @@ class LLMEngine:
             raise ValueError(f"kv_cache_gb={config.kv_cache_gb} does not hold one KV block of this model")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        background = None
-        if config.compile and config.compile_in_background:
-            background = CompileSpec(
-                str(loaded.path), str(dtype).removeprefix("torch."), str(device), config.dtype == "auto",
-                str(config.kv_cache_dtype).removeprefix("torch."),
-            )
-        self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, config.kv_cache_dtype, device, config.compile, background)
+        self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, config.kv_cache_dtype, device, config.compile,
+                                  self._compile_spec(config)(loaded.path) if config.compile and config.compile_in_background else None)
+        self.speculator = self._speculator(config, num_blocks) if config.speculative_config is not None else None
         # While the background compile runs it takes a core: a step on every core would wait for the one it shares
         # (SmolLM2's eager decode on 2 cores fell from 102 to 39 tokens/s; on one thread it kept 93).
         self._threads_after_compile: int | None = None
@@ -141,6 +146,27 @@ class LLMEngine:
         self.faults = [FaultInjection.parse(spec) for spec in config.inject_faults]
         self._grammars: GrammarCompiler | None = None
         self._retained: dict[str, Sequence] = {}  # finished requests' sequences that keep their blocks (retain=True)
+
+    @staticmethod
+    def _compile_spec(config: EngineConfig):
+        """How a background compile loads a model of this config: model path -> CompileSpec."""
+        return lambda path: CompileSpec(
+            str(path), str(config.torch_dtype).removeprefix("torch."), str(config.torch_device), config.dtype == "auto",
+            str(config.kv_cache_dtype).removeprefix("torch."),
+        )
+
+    def _speculator(self, config: EngineConfig, num_blocks: int) -> Speculator:
+        spec = config.speculative_config
+        if spec.method == "ngram":
+            proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        else:  # the draft model's own config: its dtype, the target's device, cache blocks and compile setting
+            draft = EngineConfig(model=spec.model or config.model, dtype=spec.dtype, device=config.device, block_size=config.block_size,
+                                 compile=config.compile, compile_in_background=config.compile_in_background)
+            proposer = DraftModelProposer.load(
+                draft.model, draft.torch_dtype, draft.kv_cache_dtype, draft.dtype == "auto", draft.torch_device, self.model_config.vocab_size,
+                num_blocks, config.block_size, draft.compile, self._compile_spec(draft) if draft.compile and draft.compile_in_background else None,
+            )
+        return Speculator(spec, proposer, self.max_model_len, set(self.tokenizer.eos_token_ids))
 
     def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -265,10 +291,10 @@ class LLMEngine:
             self._by_seq.pop(completion.seq.seq_id, None)
             if not completion.finished:
                 completion.seq.finish_reason = "abort"
-                self.scheduler.finish(completion.seq)
+                self._finish(completion.seq)
         for beam in request.beam.beams if request.beam is not None else []:
             self._by_seq.pop(beam.seq.seq_id, None)
-            self.scheduler.finish(beam.seq)
+            self._finish(beam.seq)
         return request
 
     def pause_request(self, request_id: str) -> None:
@@ -301,11 +327,27 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        if self.speculator is not None:
+            self._speculate(batch)
         failed: dict[str, Exception] = {}  # request id -> what failed it
         inp, batch = self._prepare(batch, failed)
+        started = time.perf_counter()
         samples, scores = self._run(inp, batch, failed) if batch else (None, [])
+        if self.speculator is not None and inp is not None and inp.decode_only and not failed:
+            self.speculator.observe_step(len(inp.input_ids), time.perf_counter() - started)
         outputs = self._update(batch, inp, samples, scores, failed)
         return outputs + [self._fail(request_id, e) for request_id, e in failed.items() if request_id in self.requests]
+
+    def _speculate(self, batch: ScheduledBatch) -> None:
+        """Drafts for the batch's sampling sequences. Should the proposer fail, the step runs without them."""
+        planned = list(batch.num_new_tokens)
+        try:
+            self.speculator.plan(batch, self.block_manager, self.config.max_num_batched_tokens)
+        except Exception:
+            logger.exception("proposing draft tokens failed: this step runs without them")
+            for seq in batch.seqs:
+                seq.draft = None
+            batch.num_new_tokens[:] = planned
 
     def _request_of(self, seq: Sequence) -> str:
         return self._by_seq[seq.seq_id][0].request_id
@@ -370,54 +412,80 @@ class LLMEngine:
             return self.runner.sample(logits, seqs), scores
         except Exception:
             pass
-        parts = []
-        for row, seq in enumerate(seqs):
+        parts, row = [], 0
+        for span, seq in zip(inp.sample_spans, seqs):
+            rows = slice(row, row + span.num_sampling_rows)
+            row = rows.stop
             try:
                 self._inject("sample", [seq])
-                parts.append(self.runner.sample(logits[row : row + 1], [seq]))
+                parts.append(self.runner.sample(logits[rows], [seq]))
             except Exception as e:
                 self._failed(failed, self._request_of(seq), "sampling", e)
-                parts.append(StepSamples([-1], None, None, None))  # a placeholder row, never read
+                parts.append(StepSamples([-1], None, None, None, [1]))  # a placeholder row, never read
         return StepSamples.concat(parts), scores
 
     def _update(self, batch: ScheduledBatch, inp: ModelInput | None, samples: StepSamples | None, scores: list[PromptScores],
                 failed: dict[str, Exception]) -> list[RequestOutput]:
-        """The post-step update, for the requests that did not fail: advance computed tokens, cache full blocks
-        (never those of a failed request: its K/V may be wrong), store prompt logprobs, append samples, fork, finish."""
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if self._request_of(seq) not in failed:
-                seq.num_computed_tokens += n
-                self.block_manager.cache_full_blocks(seq)
+        """The post-step update, for the requests that did not fail, in this order: store prompt logprobs; append each
+        sampling sequence's new tokens (a verified draft's accepted tokens and one more; a beam's row waits for its
+        siblings'); step num_computed_tokens on (rejected draft tokens' slots are abandoned and the blocks past the
+        sequence's tokens freed); register full blocks in the prefix cache, so that only computed, accepted tokens
+        ever reach it (and never a failed request's: its K/V may be wrong); then fork, finish, and build outputs."""
         for score in scores:
             seq = batch.seqs[score.seq_index]
             request, _ = self._by_seq[seq.seq_id]
             if request.request_id not in failed:
                 self.output_processor.append_prompt_logprobs(request, seq, score)
-        progressed: dict[str, RequestState] = {}
+        new_tokens: dict[int, int] = {}  # batch index -> tokens its sequence got this step
+        appended: list[tuple[RequestState, CompletionState]] = []
         beams: dict[str, RequestState] = {}
-        for row, index in enumerate(inp.sample_seq_indices if samples is not None else []):
+        for index, rows in zip(inp.sample_seq_indices if samples is not None else [], samples.rows_of() if samples is not None else []):
             seq = batch.seqs[index]
             request, completion = self._by_seq[seq.seq_id]
             if request.request_id in failed:
                 continue
+            new_tokens[index] = len(rows)
             if request.beam is not None:  # a beam: its row's best tokens wait for the other beams' rows
-                request.beam.add_row(seq, samples.logprob_token_ids[row][1:], samples.logprobs[row][1:])
+                request.beam.add_row(seq, samples.logprob_token_ids[rows[0]][1:], samples.logprobs[rows[0]][1:])
                 beams[request.request_id] = request
                 continue
             try:
                 self._inject("detokenize", [seq])
-                self.output_processor.append(completion, samples, row)
+                for row in rows:  # a stop among a draft's accepted tokens drops the ones after it
+                    self.output_processor.append(completion, samples, row)
+                    if completion.finished:
+                        break
+            except Exception as e:
+                self._failed(failed, request.request_id, "updating", e)
+                continue
+            appended.append((request, completion))
+        for index, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if self._request_of(seq) in failed:
+                seq.draft = None
+                continue
+            if seq.draft is not None:
+                rejected = self.speculator.record(seq, new_tokens[index])
+                seq.num_computed_tokens = min(seq.num_computed_tokens + n - rejected, seq.num_tokens - 1)
+                self.block_manager.trim(seq)
+            else:
+                seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+        progressed: dict[str, RequestState] = {}
+        for request, completion in appended:
+            if request.request_id in failed:
+                continue
+            try:
                 if completion.index == 0 and len(request.completions) == 1:
                     # The other n - 1 completions fork off this one once it has prefilled the prompt: they share
                     # its KV blocks and compute only the prompt's last token again, to sample their own first.
                     for _ in range(request.params.n - 1):
-                        self._fork_completion(request, seq)
+                        self._fork_completion(request, completion.seq)
                 if completion.finished:
                     if request.retain:  # its blocks stay for fork_request, until release_request
-                        self.scheduler.finish(completion.seq, free=False)
+                        self._finish(completion.seq, free=False)
                         self._retained[request.request_id] = completion.seq
                     else:
-                        self.scheduler.finish(completion.seq)
+                        self._finish(completion.seq)
                     del self._by_seq[completion.seq.seq_id]
             except Exception as e:
                 self._failed(failed, request.request_id, "updating", e)
@@ -442,6 +510,12 @@ class LLMEngine:
             if outputs[-1].finished:
                 del self.requests[request.request_id]
         return outputs
+
+    def _finish(self, seq: Sequence, free: bool = True) -> None:
+        """A sequence is done (finished, aborted or failed): out of the scheduler, and of the proposer's state."""
+        self.scheduler.finish(seq, free)
+        if self.speculator is not None:
+            self.speculator.release(seq)
 
     def _add_completion(self, request: RequestState) -> None:
         seq = self._new_completion(request)
@@ -518,7 +592,7 @@ class LLMEngine:
                 seqs.append(parent)
         for beam in search.beams:
             if beam.seq.seq_id not in taken:
-                self.scheduler.finish(beam.seq)
+                self._finish(beam.seq)
                 del self._by_seq[beam.seq.seq_id]
         for seq, c in zip(seqs, continuations):
             seq.token_ids.append(c.token_id)

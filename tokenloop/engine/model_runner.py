@@ -8,6 +8,7 @@ one sequence at a time).
 
 from __future__ import annotations
 
+import itertools
 import math
 import mmap
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from tokenloop.engine.sequence import Sequence
 from tokenloop.models.attention import AttentionGroup, AttentionMetadata
 from tokenloop.models.config import ModelConfig
 from tokenloop.sampling.sampler import ProcessorInputs, Sampler, SamplerOutput, SamplingBatch, gather_logprobs
+from tokenloop.spec.rejection_sampler import verify
 
 
 SCORE_ROWS = 256  # logit rows log-softmaxed at once when scoring a sequence's own tokens
@@ -47,18 +49,26 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 @dataclass(slots=True)
 class StepSamples:
-    """A step's samples as Python lists (one device-to-host copy per step), rows = sequences that sampled."""
+    """A step's samples as Python lists (one device-to-host copy per step): rows = new tokens, sequence after
+    sequence; one per sequence that sampled, or `counts[i]` for sequence i when drafts were verified."""
 
     token_ids: list[int]
     logprobs: list[list[float]] | None  # per row: the chosen token's logprob, then the top K
     logprob_token_ids: list[list[int]] | None
     ranks: list[int] | None
+    counts: list[int] | None = None  # new tokens per sequence (its accepted draft tokens and one more); None: one each
 
     @classmethod
-    def from_sampler(cls, out: SamplerOutput) -> StepSamples:
+    def from_sampler(cls, out: SamplerOutput, counts: list[int] | None = None) -> StepSamples:
         if out.logprobs is None:
-            return cls(out.token_ids.tolist(), None, None, None)
-        return cls(out.token_ids.tolist(), out.logprobs.tolist(), out.logprob_token_ids.tolist(), out.ranks.tolist())
+            return cls(out.token_ids.tolist(), None, None, None, counts)
+        return cls(out.token_ids.tolist(), out.logprobs.tolist(), out.logprob_token_ids.tolist(), out.ranks.tolist(), counts)
+
+    def rows_of(self) -> list[range]:
+        """Per sequence, its rows."""
+        counts = self.counts if self.counts is not None else [1] * len(self.token_ids)
+        starts = itertools.accumulate(counts, initial=0)
+        return [range(start, start + c) for start, c in zip(starts, counts)]
 
     @classmethod
     def concat(cls, parts: list[StepSamples]) -> StepSamples:
@@ -74,6 +84,7 @@ class StepSamples:
             [r for p in parts for r in rows("logprobs", p, [])] if with_logprobs else None,
             [r for p in parts for r in rows("logprob_token_ids", p, [])] if with_logprobs else None,
             [r for p in parts for r in rows("ranks", p, 0)] if with_logprobs else None,
+            [len(r) for p in parts for r in p.rows_of()] if any(p.counts is not None for p in parts) else None,
         )
 
 
@@ -85,12 +96,17 @@ class LogitSpan:
     start: int  # its first row in the step's logits
     first_position: int
     count: int
-    samples: bool  # its last row is the one it samples from (its prefill has caught up)
+    samples: bool  # its last rows are the ones it samples from (its prefill has caught up)
+    num_draft: int = 0  # draft tokens it verifies: it samples from its last 1 + num_draft rows
+
+    @property
+    def num_sampling_rows(self) -> int:
+        return self.samples * (1 + self.num_draft)
 
     @property
     def num_scored(self) -> int:
         """Rows that score its own next tokens (teacher forcing) rather than sample a new one."""
-        return self.count - self.samples
+        return self.count - self.num_sampling_rows
 
 
 @dataclass(slots=True)
@@ -148,7 +164,12 @@ class ModelRunner:
         # dispatch costs several, and a decode step takes ~10 ms. They reach the device once, at the end.
         bs = self.block_size
         starts_list = [seq.num_computed_tokens for seq in batch.seqs]
-        input_ids = [t for seq, s, n in zip(batch.seqs, starts_list, batch.num_new_tokens) for t in seq.token_ids[s : s + n]]
+        drafts = [len(seq.draft) if seq.draft is not None else 0 for seq in batch.seqs]
+        input_ids = []
+        for seq, s, n, d in zip(batch.seqs, starts_list, batch.num_new_tokens, drafts):
+            input_ids += seq.token_ids[s : s + n]
+            if d:  # the draft follows the sequence's last token
+                input_ids += seq.draft.token_ids
         starts = np.array(starts_list, dtype=np.int64)  # [B]
         lens = np.array(batch.num_new_tokens, dtype=np.int64)  # [B]
         ends = lens.cumsum()
@@ -158,25 +179,33 @@ class ModelRunner:
         positions = np.arange(len(seq_of_token)) - (ends - lens)[seq_of_token] + starts[seq_of_token]  # [T]
         slot_mapping = block_tables[seq_of_token, positions // bs] * bs + positions % bs
 
-        # Decodes (one new token) and prefill chunks attend in separate groups: padded to one [B, Q] batch, each
+        # Decodes (the last token, and a draft after it to verify) attend as one query row per token, each with
+        # its own causal mask: the decode kernel's and the compiled step's one shape for any number of query
+        # tokens per sequence. Prefill chunks attend in a group of their own: padded to one [B, Q] batch, each
         # decode would be computed for as many query rows as the longest chunk has.
-        decodes = lens == 1
-        parts = [np.flatnonzero(decodes), np.flatnonzero(~decodes)] if decodes.any() and not decodes.all() else [np.arange(len(lens))]
-        device = self.device
+        decodes = lens == 1 + np.array(drafts, dtype=np.int64)
+        decode_tokens = np.flatnonzero(decodes[seq_of_token])
         groups = []
-        for part in parts:
-            group = self._attention_group(starts[part], lens[part], (ends - lens)[part], block_tables[part], whole_batch=len(parts) == 1)
-            groups.append(AttentionGroup(*(None if a is None else _to_device(a, device) for a in group)))
+        if decodes.any():
+            rows = self._attention_group(positions[decode_tokens], np.ones(len(decode_tokens), dtype=np.int64), decode_tokens,
+                                         block_tables[seq_of_token[decode_tokens]], whole_batch=bool(decodes.all()))
+            groups.append(rows)
+        if not decodes.all():
+            part = np.flatnonzero(~decodes)
+            groups.append(self._attention_group(starts[part], lens[part], (ends - lens)[part], block_tables[part], whole_batch=not decodes.any()))
+        device = self.device
+        groups = [AttentionGroup(*(None if a is None else _to_device(a, device) for a in group)) for group in groups]
         spans, logit_rows = [], []
-        for i, (seq, start, n, first_row) in enumerate(zip(batch.seqs, starts_list, batch.num_new_tokens, (ends - lens).tolist())):
+        for i, (seq, start, n, d, first_row) in enumerate(zip(batch.seqs, starts_list, batch.num_new_tokens, drafts, (ends - lens).tolist())):
             # Position p's logits score token p + 1: a prompt being scored asks for the rows of its new prompt
-            # positions; a sequence whose prefill has caught up asks for its last row, to sample from.
+            # positions; a sequence whose prefill has caught up asks for its last row, to sample from, and for
+            # its draft's rows, to verify.
             num_scored = max(0, min(start + n, seq.num_prompt_tokens - 1) - start) if seq.score_prompt else 0
-            samples = start + n == seq.num_tokens
+            samples = start + n == seq.num_tokens + d
             assert not (num_scored and samples) or num_scored == n - 1, "a scored prompt runs up to the row that samples"
-            first, count = (start if num_scored else start + n - 1), num_scored + samples
+            first, count = (start if num_scored else start + n - 1 - d), num_scored + samples * (1 + d)
             if count:
-                spans.append(LogitSpan(i, len(logit_rows), first, count, samples))
+                spans.append(LogitSpan(i, len(logit_rows), first, count, samples, d if samples else 0))
                 logit_rows.extend(range(first_row + first - start, first_row + first - start + count))
         return ModelInput(
             input_ids=_to_device(np.array(input_ids, dtype=np.int64), device),
@@ -247,10 +276,11 @@ class ModelRunner:
 
     @staticmethod
     def sample_logits(logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:
-        """[S, V]: the row each sampling sequence samples from (all rows, when no sequence scores tokens)."""
-        if len(inp.sample_spans) == logits.shape[0]:
+        """The rows the sampling sequences sample from, sequence after sequence: one each, or 1 + its draft's
+        length (all rows, when no sequence scores tokens)."""
+        rows = [r for span in inp.sample_spans for r in range(span.start + span.num_scored, span.start + span.count)]
+        if len(rows) == logits.shape[0]:
             return logits
-        rows = [span.start + span.count - 1 for span in inp.sample_spans]
         return logits[torch.tensor(rows, device=logits.device)]
 
     @torch.inference_mode()
@@ -274,7 +304,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> StepSamples:
-        """One token per row of `logits`, row i by seqs[i]'s sampling parameters and generator."""
+        """One token per row of `logits`, row i by seqs[i]'s sampling parameters and generator; where a sequence
+        has a draft, its 1 + len(draft) rows are verified (spec/rejection_sampler.py) and it gets 1 or more."""
+        if any(s.draft is not None for s in seqs):
+            return StepSamples.from_sampler(*verify(logits, seqs, [s.params.logprobs for s in seqs]))
         params = [s.params for s in seqs]
         processors = ProcessorInputs(params, [s.token_ids for s in seqs], [s.controls for s in seqs])
         num_logprobs = [s.num_candidates if s.num_candidates is not None else s.params.logprobs for s in seqs]

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenloop.sampling.params import SamplingParams
 from tokenloop.sampling.processors import LogitControls
+
+if TYPE_CHECKING:
+    from tokenloop.spec.proposer import Draft
 
 
 class SequenceStatus(enum.Enum):
@@ -38,6 +42,13 @@ class Sequence:
     # computed, none taken from the prefix cache. Cleared once the whole prompt is scored.
     score_prompt: bool = False
     num_candidates: int | None = None  # a beam: the top k of its row it needs each step (else params.logprobs)
+    # Speculative decoding: this step's draft tokens, computed after its last token and verified in the same
+    # forward (never in token_ids until accepted); the counts behind its acceptance rate and usage.
+    draft: Draft | None = None
+    num_drafts: int = 0  # steps that verified a draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_rejections: int = 0  # drafts that had a token rejected (the others were accepted whole)
 
     @property
     def num_tokens(self) -> int:

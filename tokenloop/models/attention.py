@@ -55,7 +55,8 @@ class KVCacheAttention(nn.Module):
         be narrower than the activations' (float16 on the fast path), converted on the way in and out. Decode
         reads them through tokenloop's CPU kernel where it can run, instead of gathering a dense copy."""
         self.k_cache, self.v_cache = k_cache, v_cache
-        self.cpu_kernel = k_cache.device.type == "cpu" and self.head_dim % 8 == 0 and kernels.cpu_kernels_available()
+        self.cpu_kernel = (k_cache.device.type == "cpu" and self.head_dim % 8 == 0 and k_cache.dtype in (torch.float16, torch.float32)
+                           and kernels.cpu_kernels_available())
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q: (T, num_heads, head_dim); k, v: (T, num_kv_heads, head_dim)

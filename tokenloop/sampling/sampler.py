@@ -154,8 +154,17 @@ class Sampler(torch.nn.Module):
 
     @staticmethod
     def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        sampled = random_sample(Sampler.probs(logits, batch), batch.generators)
+        if batch.all_random:
+            return sampled
+        return torch.where(batch.temperature < SAMPLING_EPS, logits.argmax(dim=-1), sampled)
+
+    @staticmethod
+    def probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """[B, V]: the distribution each row samples from, after temperature, min-p, top-k and top-p (greedy rows:
+        temperature 1; their draw is replaced by the argmax). Also what speculative decoding verifies against."""
         is_greedy = batch.temperature < SAMPLING_EPS  # [B]
-        # Greedy rows sample at temperature 1 (no division by 0); their draw is replaced by the argmax below.
+        # Greedy rows sample at temperature 1 (no division by 0).
         temperature = torch.where(is_greedy, 1.0, batch.temperature)
         scaled = logits / temperature.unsqueeze(1)
         if batch.any_min_p:
@@ -163,10 +172,7 @@ class Sampler(torch.nn.Module):
         scaled = apply_top_k_top_p(
             scaled, batch.top_k if batch.any_top_k else None, batch.top_p if batch.any_top_p else None
         )
-        sampled = random_sample(scaled.softmax(dim=-1), batch.generators)
-        if batch.all_random:
-            return sampled
-        return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+        return scaled.softmax(dim=-1)
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> SamplerOutput:

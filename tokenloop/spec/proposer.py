@@ -1,0 +1,40 @@
+"""The proposer interface: something cheap guesses each sequence's next tokens; the target model verifies them.
+
+The verifier (spec/rejection_sampler.py) does not know which proposer ran: it sees draft tokens and, where the
+proposer sampled them, the distribution q it sampled from (none: q is one-hot on the draft, as for n-gram lookup).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenloop.engine.sequence import Sequence
+from tokenloop.spec.cost_model import StepCosts
+
+
+@dataclass(slots=True)
+class Draft:
+    token_ids: list[int]
+    probs: torch.Tensor | None = None  # [len(token_ids), V] float32: the q each token was drawn from; None = one-hot
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+class Proposer:
+    """propose(seqs, num_tokens) -> one Draft per sequence, of at most num_tokens[i] tokens (maybe none)."""
+
+    # What drafting costs per step (a draft model's forward passes), None when it costs next to nothing (lookup).
+    costs: StepCosts | None = None
+
+    def limits(self, seqs: list[Sequence], k: int) -> list[int]:
+        """How many tokens it could propose for each sequence, at most k (a lookup knows before it proposes)."""
+        return [k] * len(seqs)
+
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Draft]:
+        raise NotImplementedError
+
+    def release(self, seq: Sequence) -> None:
+        """The sequence has finished or been aborted: forget what is kept for it (a draft model's KV blocks)."""

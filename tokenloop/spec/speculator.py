@@ -1,0 +1,121 @@
+"""Speculator: the engine's one entry to speculative decoding. Before a step it gives drafts to the scheduled
+sequences that will sample (as many tokens as the cost model chooses); after it, it records what was accepted.
+
+Where drafting is skipped: beams (they need every candidate of a row), a prompt being scored, and the tokens
+past max_tokens or the context. With `adaptive` off, or for a seeded request, a sequence drafts the most it
+may (num_speculative_tokens, or what the lookup finds), whatever the timings: the cost model's choice moves
+with the machine's speed, and a seeded request's tokens must not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenloop.engine.block_manager import BlockManager
+from tokenloop.engine.scheduler import ScheduledBatch
+from tokenloop.engine.sequence import Sequence
+from tokenloop.spec.config import SpeculativeConfig
+from tokenloop.spec.cost_model import StepCosts, choose_draft_lengths
+from tokenloop.spec.proposer import Draft, Proposer
+
+PRIOR_WEIGHT = 2.0  # a request's acceptance rate starts from the proposer's mean as if seen over this many drafts
+INITIAL_ACCEPTANCE = 0.5  # the proposer's mean before any draft was verified
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Totals since the start (the Prometheus counters read them)."""
+
+    num_drafts: int = 0  # verified drafts (sequence-steps with one)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [k]: drafts whose token at position i was accepted
+    num_planned_steps: int = 0  # steps that had a sequence to draft for, and the draft tokens chosen over them
+    num_chosen_tokens: int = 0
+    last_chosen: float = 0.0  # the mean draft length chosen in the latest such step
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int, stop_token_ids: set[int]) -> None:
+        self.config, self.proposer, self.max_model_len = config, proposer, max_model_len
+        self.stop_token_ids = stop_token_ids
+        self.costs = StepCosts()  # the target's decode and verify steps, by query tokens
+        self.stats = SpecStats(accepted_per_position=[0] * config.num_speculative_tokens)
+        self._accepted, self._trials = 0.0, 0.0  # the proposer's acceptance over all requests (decayed)
+
+    def acceptance(self, seq: Sequence) -> float:
+        """Per draft token, the chance it is accepted when the ones before it were: the request's own, from its
+        counts, pulled toward the proposer's mean while it has few."""
+        prior = (self._accepted + INITIAL_ACCEPTANCE * PRIOR_WEIGHT) / (self._trials + PRIOR_WEIGHT)
+        trials = seq.num_accepted_tokens + seq.num_rejections
+        return (seq.num_accepted_tokens + prior * PRIOR_WEIGHT) / (trials + PRIOR_WEIGHT)
+
+    def plan(self, batch: ScheduledBatch, block_manager: BlockManager, max_num_batched_tokens: int) -> None:
+        """Give drafts to the batch's sequences that sample this step, extending their new tokens."""
+        k_max = self.config.num_speculative_tokens
+        candidates, rooms = [], []
+        for index, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if seq.num_computed_tokens + n != seq.num_tokens or seq.num_candidates is not None or seq.score_prompt:
+                continue
+            # Drafts past max_tokens or the context would be computed for nothing.
+            room = min(k_max, seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+            if room > 0:
+                candidates.append(index)
+                rooms.append(room)
+        if not candidates:
+            return
+        seqs = [batch.seqs[i] for i in candidates]
+        limits = [min(room, limit) for room, limit in zip(rooms, self.proposer.limits(seqs, k_max))]
+        sampling = sum(seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(batch.seqs, batch.num_new_tokens))
+        ks = limits
+        if self.config.adaptive:
+            chosen = choose_draft_lengths([self.acceptance(s) for s in seqs], limits, sum(batch.num_new_tokens), sampling, self.costs, self.proposer.costs)
+            ks = [limit if seq.generator is not None else k for seq, limit, k in zip(seqs, limits, chosen)]
+        self.stats.num_planned_steps += 1
+        self.stats.num_chosen_tokens += sum(ks)
+        self.stats.last_chosen = sum(ks) / len(ks)
+        if not any(ks):
+            return
+        budget = max_num_batched_tokens - sum(batch.num_new_tokens)
+        for index, seq, draft in zip(candidates, seqs, self.proposer.propose(seqs, ks)):
+            draft = self._up_to_a_stop(draft, seq)
+            d = min(len(draft), max(budget, 0))
+            if d and block_manager.allocate(seq, seq.num_tokens + d):  # else no blocks to spare: it decodes one token
+                seq.draft = Draft(draft.token_ids[:d], None if draft.probs is None else draft.probs[:d])
+                batch.num_new_tokens[index] += d
+                budget -= d
+        batch.block_copies += block_manager.take_copies()
+
+    def _up_to_a_stop(self, draft: Draft, seq: Sequence) -> Draft:
+        """The draft up to its first stop token (the sequence ends there: nothing after it is verified)."""
+        for i, token in enumerate(draft.token_ids):
+            if token in self.stop_token_ids or token in seq.params.stop_token_ids:
+                return Draft(draft.token_ids[: i + 1], None if draft.probs is None else draft.probs[: i + 1])
+        return draft
+
+    def record(self, seq: Sequence, num_new_tokens: int) -> int:
+        """After the step: `seq` verified its draft and got num_new_tokens (its accepted draft tokens and one
+        more). Clears the draft; returns how many draft tokens were rejected (their K/V slots are abandoned)."""
+        d, accepted = len(seq.draft), num_new_tokens - 1
+        seq.draft = None
+        seq.num_drafts += 1
+        seq.num_draft_tokens += d
+        seq.num_accepted_tokens += accepted
+        seq.num_rejections += accepted < d
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += d
+        stats.num_accepted_tokens += accepted
+        for i in range(accepted):
+            stats.accepted_per_position[i] += 1
+        self._accepted = 0.99 * self._accepted + accepted
+        self._trials = 0.99 * self._trials + accepted + (accepted < d)
+        return d - accepted
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A decode or verify step of the target took `seconds` for `num_tokens` query tokens."""
+        self.costs.observe(num_tokens, seconds)
+
+    def release(self, seq: Sequence) -> None:
+        seq.draft = None
+        self.proposer.release(seq)
