@@ -35,6 +35,26 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stats", action="store_true", help="print prompt and decode tokens/s")
     _add_threads_arg(p)
     _add_compile_arg(p)
+    _add_speculative_arg(p)
+
+
+def _add_speculative_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--speculative-config", type=_json_object, default=None, metavar="JSON",
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or \'{"method": "draft", "model": NAME}\'',
+    )
+
+
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {type(value).__name__}")
+    return value
 
 
 def _add_threads_arg(p: argparse.ArgumentParser) -> None:
@@ -72,7 +92,8 @@ def _sampling_params(args):
 def _llm(args, compile: bool):
     from tokenloop.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, device=args.device, compile=compile, threads=args.threads)
+    return LLM(args.model, dtype=args.dtype, device=args.device, compile=compile, threads=args.threads,
+               speculative_config=getattr(args, "speculative_config", None))
 
 
 def cmd_generate(args) -> int:
@@ -176,6 +197,7 @@ def cmd_serve(args) -> int:
         model=args.model, dtype=args.dtype, device=args.device, kv_cache_gb=args.kv_cache_gb, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, compile=args.compile, inject_faults=tuple(args.inject_fault), threads=args.threads,
+        speculative_config=args.speculative_config,
     )
     limits = AsyncEngineConfig(max_waiting=args.max_waiting, unread_timeout_s=args.unread_timeout, stall_timeout_s=args.stall_timeout)
     config = ServerConfig(
@@ -267,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inject-fault", action="append", default=[], help=argparse.SUPPRESS)  # tests: STAGE:TOKEN_ID (engine/faults.py)
     _add_threads_arg(p)
     _add_compile_arg(p)
+    _add_speculative_arg(p)
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("bench", help="tokenloop beside llama.cpp and transformers on the same GGUF (or: bench serve)")
     offline_bench.add_arguments(p)

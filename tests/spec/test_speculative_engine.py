@@ -147,9 +147,11 @@ def test_aborting_drafting_requests_leaves_no_block_behind(tiny_model_folder, sp
     llm = make(tiny_model_folder, spec)
     engine = llm.llm_engine
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
-    for _ in range(4):
+    for _ in range(30):
         engine.step()
-    assert engine.speculator.stats.num_draft_tokens > 0
+        if engine.speculator.stats.num_draft_tokens > 0:
+            break
+    assert engine.speculator.stats.num_draft_tokens > 0 and engine.has_unfinished_requests()
     for request_id in ids:
         engine.abort_request(request_id)
     assert_nothing_held(llm)

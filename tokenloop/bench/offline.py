@@ -240,6 +240,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ", ".join(ENGINES))
     parser.add_argument("--repeats", type=int, default=3, help="each timed figure is the best of this many runs")
     parser.add_argument("--busy-core", action=argparse.BooleanOptionalAction, default=True, help="also decode while another process keeps one core busy")
+    parser.add_argument("--speculative", action="store_true",
+                        help="speculative decoding (n-gram lookup, 4-bit draft for float32) against tokenloop's own decode without it")
     parser.add_argument("--llama-cpp-bin", default=None, help="a folder with llama.cpp's llama-bench and llama-server (default: built once into $TOKENLOOP_HOME/peers)")
 
 
@@ -248,6 +250,10 @@ def main_from_args(args: argparse.Namespace) -> int:
 
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.speculative:
+        from tokenloop.bench import speculative
+
+        return speculative.main(str(resolve(args.model)), args.decode_tokens, args.repeats)
     cfg = BenchConfig(
         str(resolve(args.model)), args.dtype, args.compile, args.threads, args.decode_tokens, args.prefill_tokens,
         repeats=args.repeats, llama_cpp_bin=args.llama_cpp_bin,

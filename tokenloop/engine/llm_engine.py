@@ -139,7 +139,7 @@ class LLMEngine:
         if self.runner.forward.worker is not None and config.threads is None and threads > 1:
             self._threads_after_compile = threads
             torch.set_num_threads(threads - 1)
-        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len, speculative=self.speculator is not None)
         self.requests: dict[str, RequestState] = {}
         self._by_seq: dict[str, tuple[RequestState, CompletionState]] = {}  # running completions by sequence id
         self._ids = itertools.count()

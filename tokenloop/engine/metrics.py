@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tokenloop.engine.llm_engine import LLMEngine
+from tokenloop.spec.speculator import SpecStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 
@@ -25,6 +28,18 @@ class EngineMetrics:
         self.generation_tokens = Counter("tokenloop_generation_tokens", "Generated tokens", registry=r)
         self.preemptions = Counter("tokenloop_num_preemptions", "Sequences preempted for lack of KV blocks", registry=r)
         self._preemptions_seen = 0
+        # Speculative decoding (vLLM's names, tokenloop's prefix): counters of the speculator's totals.
+        self.spec_drafts = Counter("tokenloop_spec_decode_num_drafts", "Drafts verified (sequence-steps with draft tokens)", registry=r)
+        self.spec_draft_tokens = Counter("tokenloop_spec_decode_num_draft_tokens", "Draft tokens proposed and verified", registry=r)
+        self.spec_accepted_tokens = Counter("tokenloop_spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.spec_accepted_per_pos = Counter(
+            "tokenloop_spec_decode_num_accepted_tokens_per_pos", "Drafts whose token at this position was accepted", ["position"], registry=r
+        )
+        self.spec_mean_accepted_length = Gauge(
+            "tokenloop_spec_decode_mean_accepted_length", "Tokens per verifying step (accepted draft tokens + 1), since the start", registry=r
+        )
+        self.spec_draft_length = Gauge("tokenloop_spec_decode_draft_length", "Mean draft length the cost model chose in the latest step", registry=r)
+        self._spec_seen = SpecStats()
 
     def observe_engine(self, engine: LLMEngine) -> None:
         """Read the scheduler's and block manager's state after a step (or an abort)."""
@@ -38,3 +53,18 @@ class EngineMetrics:
             self.prefix_hit_rate.set(blocks.prefix_hit_tokens / blocks.prefix_queried_tokens)
         self.preemptions.inc(scheduler.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = scheduler.num_preemptions
+        if engine.speculator is not None:
+            self._observe_speculation(engine.speculator.stats)
+
+    def _observe_speculation(self, stats: SpecStats) -> None:
+        seen = self._spec_seen
+        self.spec_drafts.inc(stats.num_drafts - seen.num_drafts)
+        self.spec_draft_tokens.inc(stats.num_draft_tokens - seen.num_draft_tokens)
+        self.spec_accepted_tokens.inc(stats.num_accepted_tokens - seen.num_accepted_tokens)
+        for position, count in enumerate(stats.accepted_per_position):
+            before = seen.accepted_per_position[position] if position < len(seen.accepted_per_position) else 0
+            self.spec_accepted_per_pos.labels(position=str(position)).inc(count - before)
+        if stats.num_drafts:
+            self.spec_mean_accepted_length.set(1 + stats.num_accepted_tokens / stats.num_drafts)
+        self.spec_draft_length.set(stats.last_chosen)
+        self._spec_seen = replace(stats, accepted_per_position=list(stats.accepted_per_position))

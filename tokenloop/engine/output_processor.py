@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from tokenloop.engine.beam_search import BeamSearch
 from tokenloop.engine.model_runner import PromptScores, StepSamples
 from tokenloop.engine.sequence import Sequence
-from tokenloop.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenloop.outputs import CompletionOutput, Logprob, RequestOutput, SpeculativeUsage
 from tokenloop.sampling.params import SamplingParams
 from tokenloop.tokenizer.detokenizer import IncrementalDetokenizer
 from tokenloop.tokenizer.tokenizer import Tokenizer
@@ -48,8 +48,9 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, speculative: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.speculative = speculative  # outputs carry their request's SpeculativeUsage
         self.eos_token_ids = set(tokenizer.eos_token_ids)
         self.max_model_len = max_model_len
 
@@ -113,4 +114,12 @@ class OutputProcessor:
             finished=request.finished if finished is None else finished,
             num_cached_tokens=request.completions[0].seq.num_cached_tokens,
             prompt_logprobs=request.prompt_logprobs,
+            speculative=self._speculative_usage(request) if self.speculative else None,
         )
+
+    @staticmethod
+    def _speculative_usage(request: RequestState) -> SpeculativeUsage:
+        usage = SpeculativeUsage()
+        for c in request.completions:
+            usage.add(SpeculativeUsage(c.seq.num_drafts, c.seq.num_draft_tokens, c.seq.num_accepted_tokens))
+        return usage

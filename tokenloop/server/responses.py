@@ -6,7 +6,7 @@ import dataclasses
 import uuid
 from dataclasses import dataclass, field
 
-from tokenloop.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenloop.outputs import CompletionOutput, Logprob, RequestOutput, SpeculativeUsage
 from tokenloop.tools.parser import parse_reply
 
 
@@ -25,19 +25,29 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    speculative: SpeculativeUsage | None = None
 
     def add(self, out: RequestOutput) -> None:
         self.prompt_tokens += len(out.prompt_token_ids)
         self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
         self.cached_tokens += out.num_cached_tokens
+        if out.speculative is not None:
+            self.speculative = self.speculative or SpeculativeUsage()
+            self.speculative.add(out.speculative)
 
     def as_dict(self) -> dict:
-        return {
+        usage = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+        if (s := self.speculative) is not None:  # tokenloop's extension, where the server decodes speculatively
+            usage["speculative_decoding"] = {
+                "draft_tokens": s.num_draft_tokens, "accepted_tokens": s.num_accepted_tokens, "drafts": s.num_drafts,
+                "acceptance_rate": round(s.acceptance_rate, 4), "mean_accepted_length": round(s.mean_accepted_length, 4),
+            }
+        return usage
 
 
 def _top(entries: dict[int, Logprob], k: int) -> list[Logprob]:

@@ -55,7 +55,9 @@ class Speculator:
         k_max = self.config.num_speculative_tokens
         candidates, rooms = [], []
         for index, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            if seq.num_computed_tokens + n != seq.num_tokens or seq.num_candidates is not None or seq.score_prompt:
+            # Decodes only: a draft after a prefill chunk would make the prompt's rows part of a longer attention,
+            # whose floats differ from those of the prompt alone (on the fast path that can change a token).
+            if n != 1 or seq.num_computed_tokens + n != seq.num_tokens or seq.num_candidates is not None or seq.score_prompt:
                 continue
             # Drafts past max_tokens or the context would be computed for nothing.
             room = min(k_max, seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
