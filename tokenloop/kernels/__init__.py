@@ -3,6 +3,8 @@
 - `quantized_matmul.cpp` computes x W^T for GGUF 4-bit and 8-bit weights the way llama.cpp does on a CPU:
   int8 activations and integer dot products. PyTorch ships no such kernel for AVX2 CPUs (its int4 kernel
   converts every weight to bfloat16 and is compute-bound on it), and this product is most of a step.
+- `float_matmul.cpp` computes x W^T for float32 weights and up to 32 activation rows in one pass over the
+  weights (BLAS packs them first for two rows or more: a verify step of the float32 path would cost two steps).
 - `paged_attention.cpp` computes decode attention straight from the paged KV cache, without gathering the
   context into a dense float32 copy first.
 - `rotary_cache.cpp` rotates an eager step's queries and keys and writes its keys and values into the cache
@@ -109,6 +111,10 @@ def _register_fake_kernels() -> None:
     @torch.library.register_fake("tokenloop::q8_matmul")
     def _(x, weight, scale):
         return x.new_empty(x.shape[0], weight.shape[0] * 8)
+
+    @torch.library.register_fake("tokenloop::f32_matmul")
+    def _(x, weight):
+        return x.new_empty(x.shape[0], weight.shape[0])
 
     @torch.library.register_fake("tokenloop::paged_decode_attention")
     def _(q, k_cache, v_cache, key_slots, mask, scale):

@@ -225,10 +225,20 @@ class Int8Embedding(QuantizedModule):
         return f"{self.num_embeddings}, {self.embedding_dim}, int8 group {GROUP_SIZE}"
 
 
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b) for an unquantized weight of x's dtype. Float32 on the CPU goes through tokenloop's kernel,
+    which reads the weights once for up to 32 rows and gives each row the same floats whatever the rows beside
+    it (a decode step and a verify step agree), and hands larger products to BLAS."""
+    if x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and kernels.cpu_kernels_available():
+        y = torch.ops.tokenloop.f32_matmul(x, weight)
+        return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
+
+
 def low_precision_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x W^T for a weight that may be stored in a lower precision than x (a bfloat16 LM head)."""
     if weight.dtype == x.dtype:
-        return F.linear(x, weight)
+        return dense_linear(x, weight)
     if x.shape[0] <= LOW_PRECISION_MAX_ROWS:
         return F.linear(x.to(weight.dtype), weight).to(x.dtype)
     return F.linear(x, weight.to(x.dtype))

@@ -67,12 +67,17 @@ class Speculator:
         if not candidates:
             return
         seqs = [batch.seqs[i] for i in candidates]
-        limits = [min(room, limit) for room, limit in zip(rooms, self.proposer.limits(seqs, k_max))]
         sampling = sum(seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(batch.seqs, batch.num_new_tokens))
-        ks = limits
-        if self.config.adaptive:
-            chosen = choose_draft_lengths([self.acceptance(s) for s in seqs], limits, sum(batch.num_new_tokens), sampling, self.costs, self.proposer.costs)
-            ks = [limit if seq.generator is not None else k for seq, limit, k in zip(seqs, limits, chosen)]
+        alphas = [self.acceptance(s) for s in seqs]
+        choose = lambda limits: choose_draft_lengths(alphas, limits, sum(batch.num_new_tokens), sampling, self.costs, self.proposer.costs)  # noqa: E731
+        seeded = any(seq.generator is not None for seq in seqs)
+        if self.config.adaptive and not seeded and not any(choose(rooms)):
+            limits = ks = [0] * len(seqs)  # not even the longest drafts would pay: no lookup, no draft
+        else:
+            limits = [min(room, limit) for room, limit in zip(rooms, self.proposer.limits(seqs, k_max))]
+            ks = limits
+            if self.config.adaptive:
+                ks = [limit if seq.generator is not None else k for seq, limit, k in zip(seqs, limits, choose(limits))]
         self.stats.num_planned_steps += 1
         self.stats.num_chosen_tokens += sum(ks)
         self.stats.last_chosen = sum(ks) / len(ks)
