@@ -76,6 +76,41 @@ def assert_same_greedy_tokens(compiled: ModelRunner, eager: ModelRunner, prompts
         assert (expected.max(1).values - chosen).max() <= 0.02, "a compiled greedy token is not eager's choice"
 
 
+def assert_verify_step_runs_the_package_to_decode_logits(runner: ModelRunner, package) -> None:
+    """A verify step (a sequence's last token and a draft of 3 after it, beside a plain decode) is a decode step to
+    the package: one query row per token. Each row's logits are those of decoding its tokens one at a time."""
+    from tokenloop.spec.proposer import Draft
+
+    prompt, draft = [5, 9, 2, 44, 17], [30, 31, 32]
+
+    def prefilled(seq_id: str, blocks: BlockManager) -> Sequence:
+        seq = Sequence(seq_id, list(prompt), len(prompt), SamplingParams(temperature=0))
+        assert blocks.allocate(seq, len(prompt) - 1)
+        runner.logits(runner.prepare(ScheduledBatch([seq], [len(prompt) - 1])))
+        seq.num_computed_tokens = len(prompt) - 1
+        return seq
+
+    blocks = BlockManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=False)
+    one_by_one = prefilled("a", blocks)
+    expected = []
+    for token in [None, *draft]:
+        if token is not None:
+            one_by_one.token_ids.append(token)
+        assert blocks.allocate(one_by_one, one_by_one.num_tokens)
+        expected.append(runner.logits(runner.prepare(ScheduledBatch([one_by_one], [1])))[0])
+        one_by_one.num_computed_tokens += 1
+    verifying, plain = prefilled("b", blocks), prefilled("c", blocks)
+    verifying.draft = Draft(draft)
+    assert blocks.allocate(verifying, verifying.num_tokens + len(draft)) and blocks.allocate(plain, plain.num_tokens)
+    calls = package.calls
+    inp = runner.prepare(ScheduledBatch([verifying, plain], [1 + len(draft), 1]))
+    assert inp.decode_only and [(s.count, s.num_draft) for s in inp.spans] == [(4, 3), (1, 0)]
+    logits = runner.logits(inp)
+    assert package.calls == calls + 1
+    torch.testing.assert_close(logits[:4], torch.stack(expected), atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits[4], expected[0], atol=1e-5, rtol=0)
+
+
 class CountingPackage:
     """The loaded package, counting its calls."""
 
@@ -119,6 +154,7 @@ def test_compiled_decode_gives_the_eager_greedy_tokens_from_one_package(tiny_q4_
         assert_same_greedy_tokens(compiled, eager, prompts, steps)
     assert package.calls == sum(steps - 1 for _, steps in cases)  # all steps but each case's prefill
     assert len(builds) == 1
+    assert_verify_step_runs_the_package_to_decode_logits(compiled, package)
 
     # A second start of the same model loads the package: nothing is compiled again.
     again = runner_for(tiny_q4_1, compile=True)

@@ -19,7 +19,7 @@ PROMPTS = (
     + [f"Explain line {i + 1} of this code:\n{CODE}" for i in range(4)]
     + [f"Who might have written this? {QUOTE[: 60 + 10 * i]}" for i in range(3)]
 )[:50]
-GREEDY = SamplingParams(temperature=0, max_tokens=32)
+GREEDY = SamplingParams(temperature=0, max_tokens=20)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
 
 
