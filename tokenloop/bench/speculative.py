@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import gc
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenloop.bench.offline import build_compiled_package
 from tokenloop.bench.speculative_prompts import GROUNDED, OPEN
+from tokenloop.outputs import SpeculativeUsage
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
 DRAFT = {"method": "draft", "dtype": "auto", "num_speculative_tokens": 8}  # the target's own model, 4-bit
@@ -31,8 +32,7 @@ class Row:
     plain_tps: float = 0.0
     spec_tps: float = 0.0
     identical: bool = False
-    acceptance: float = 0.0
-    mean_accepted_length: float = 0.0
+    usage: SpeculativeUsage = field(default_factory=SpeculativeUsage)  # the timed runs' drafts and accepted tokens
     mean_draft_length: float = 0.0
 
     @property
@@ -70,8 +70,7 @@ def measure(row: Row, plain, spec, prompts: list[str], tokens: int, repeats: int
     drafts, draft_tokens, accepted, planned, chosen = (now - then for now, then in zip(
         (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_planned_steps, stats.num_chosen_tokens), before))
     row.identical = plain_ids == spec_ids
-    row.acceptance = accepted / draft_tokens if draft_tokens else 0.0
-    row.mean_accepted_length = 1 + accepted / drafts if drafts else 1.0
+    row.usage = SpeculativeUsage(drafts, draft_tokens, accepted)
     row.mean_draft_length = chosen / planned if planned else 0.0
     return row
 
@@ -103,7 +102,7 @@ def format_rows(rows: list[Row], model: str, tokens: int, repeats: int) -> str:
         verdict = "ok" if r.ratio >= r.goal else "SHORT"
         lines.append(
             f"{r.label:34}{r.plain_tps:>12.1f}{r.spec_tps:>12.1f}{r.ratio:>7.2f}x{'>=' + format(r.goal, '.2f'):>7}"
-            f"{'yes' if r.identical else 'NO':>13}{r.acceptance:>10.2f}{r.mean_accepted_length:>10.2f}{r.mean_draft_length:>8.2f}  {verdict}"
+            f"{'yes' if r.identical else 'NO':>13}{r.usage.acceptance_rate:>10.2f}{r.usage.mean_accepted_length or 1.0:>10.2f}{r.mean_draft_length:>8.2f}  {verdict}"
         )
     lines.append("plain = tokenloop's compiled decode without speculation (the float32 row: plain float32); ratio = spec / plain.")
     lines.append("accepted = accepted / drafted tokens; mean len = tokens per verifying step; mean k = draft tokens the cost model chose per sequence-step.")
