@@ -42,6 +42,16 @@ def test_chunked_prefill_gives_the_same_tokens(tiny_model_folder, reference, chu
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] == reference
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix cache", "no prefix cache"])
+def test_speculative_decoding_gives_the_same_tokens(tiny_model_folder, reference, method, prefix_caching):
+    # Drafts every step (adaptive off); the draft model is the tiny model itself in bfloat16 (close, not equal).
+    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False} | ({"model": str(tiny_model_folder), "dtype": "bfloat16"} if method == "draft" else {})
+    llm = make(tiny_model_folder, enable_prefix_caching=prefix_caching, speculative_config=spec)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] == reference
+    assert llm.llm_engine.speculator.stats.num_accepted_tokens > 0
+
+
 def test_a_request_alone_equals_it_inside_a_batch_of_32(tiny_llm):
     batch = (PROMPTS * 6)[:32]
     together = tiny_llm.generate(batch, PARAMS, use_tqdm=False)
