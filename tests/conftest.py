@@ -78,3 +78,25 @@ def long_context_model_folder(tiny_model_folder, tmp_path_factory) -> Path:
     config["max_position_embeddings"] = 4096
     (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_folder(tmp_path_factory) -> Path:
+    """A tiny random Gemma 3 (transformers' Gemma3ForCausalLM) with the tiny tokenizer: 6 layers, five sliding
+    (window 8) then one global, as the real model's pattern; norms random, so that their (1 + w) form matters."""
+    transformers = pytest.importorskip("transformers")
+    folder = write_tiny_tokenizer(tmp_path_factory.mktemp("tiny_gemma3"))
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(
+        vocab_size=400, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8, max_position_embeddings=256,
+        bos_token_id=0, eos_token_id=1, pad_token_id=2,
+    )
+    model = transformers.Gemma3ForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(0.0, 0.3)
+        model.model.norm.weight.add_(3.0)  # sharper logits (x4), so that greedy choices are not near-ties
+    model.save_pretrained(folder)
+    return folder

@@ -34,7 +34,7 @@ def test_chat_answers_each_turn_and_reuses_the_cache(tiny_model_folder, capsys, 
 
 def test_unknown_model_is_an_error_listing_known_models(capsys):
     assert main(["generate", "hi", "--model", "no-such-model"]) == 2
-    assert "known models: smollm2-135m-instruct" in capsys.readouterr().err
+    assert "known models: gemma3-270m, smollm2-135m-instruct" in capsys.readouterr().err
 
 
 def test_bad_sampling_value_names_the_field(tiny_model_folder, capsys):
@@ -42,9 +42,10 @@ def test_bad_sampling_value_names_the_field(tiny_model_folder, capsys):
     assert "top_p" in capsys.readouterr().err
 
 
-def test_models_lists_the_default(capsys):
+def test_models_lists_the_default_and_gemma3(capsys):
     assert main(["models"]) == 0
-    assert "smollm2-135m-instruct (default)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "smollm2-135m-instruct (default)" in out and "gemma3-270m\n  Gemma 3 270M" in out
 
 
 def test_perplexity_prints_the_score_of_a_file(tiny_model_folder, tmp_path, capsys):

@@ -1,5 +1,6 @@
 """GGUF loading on tiny files written here from tiny transformers models: names, llama.cpp's Q/K permutation,
-quantized tensor types, Qwen2 biases, tied embeddings; and clear errors for what is not supported."""
+quantized tensor types, Qwen2 biases, tied embeddings; and clear errors for what is not supported. write_gguf
+writes Gemma 3 files too (tests/models/test_gemma3.py)."""
 
 from __future__ import annotations
 
@@ -24,14 +25,19 @@ GGUF_NAMES = {v: k for k, v in {
     "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}.items()}
+# llama.cpp's gemma3 names: four norms per layer, and per-head query and key norms.
+GEMMA3_GGUF_NAMES = GGUF_NAMES | {
+    "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 Q = gguf.GGMLQuantizationType
 
 
-def gguf_name(name: str) -> str:
+def gguf_name(name: str, arch: str = "llama") -> str:
+    names = GEMMA3_GGUF_NAMES if arch == "gemma3" else GGUF_NAMES
     parts = name.removeprefix("model.").split(".")
     if parts[0] == "layers":
-        return f"blk.{parts[1]}.{GGUF_NAMES['.'.join(parts[2:-1])]}.{parts[-1]}"
-    return f"{GGUF_NAMES[parts[0]]}.{parts[-1]}"
+        return f"blk.{parts[1]}.{names['.'.join(parts[2:-1])]}.{parts[-1]}"
+    return f"{names[parts[0]]}.{parts[-1]}"
 
 
 def permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -63,21 +69,29 @@ def write_gguf(model, arch: str, path: Path, qtype: Q, extra_tensor: str | None 
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(TINY["rope_theta"])
     w.add_vocab_size(c.vocab_size)
+    if arch == "gemma3":  # llama.cpp's converter: the global layers' RoPE base, and Gemma's (1 + w) norms stored as 1 + w
+        w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+        w.add_sliding_window(c.sliding_window)
+    else:
+        w.add_rope_freq_base(TINY["rope_theta"])
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         data = tensor.float().numpy()
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            data = data + 1
         tensor_qtype = embedding_qtype if embedding_qtype is not None and name == "model.embed_tokens.weight" else qtype
         if arch == "llama" and ("q_proj.weight" in name or "k_proj.weight" in name):
             data = permute(data, c.num_attention_heads if "q_proj" in name else c.num_key_value_heads)
         if data.ndim == 2 and tensor_qtype in K_QUANT_SCALES:
-            w.add_tensor(gguf_name(name), random_k_quant(data, tensor_qtype, np.random.default_rng(len(name))), raw_dtype=tensor_qtype)
+            w.add_tensor(gguf_name(name, arch), random_k_quant(data, tensor_qtype, np.random.default_rng(len(name))), raw_dtype=tensor_qtype)
         elif data.ndim == 2 and tensor_qtype != Q.F32:
-            w.add_tensor(gguf_name(name), quantize(data, tensor_qtype), raw_dtype=tensor_qtype)
+            w.add_tensor(gguf_name(name, arch), quantize(data, tensor_qtype), raw_dtype=tensor_qtype)
         else:
-            w.add_tensor(gguf_name(name), data)
+            w.add_tensor(gguf_name(name, arch), data)
     if extra_tensor:
         w.add_tensor(extra_tensor, np.zeros(4, dtype=np.float32))
     w.write_header_to_file()
@@ -112,7 +126,7 @@ def test_float32_gguf_gives_the_original_models_logits(tiny_model, tmp_path):
     torch.testing.assert_close(our_logits(write_gguf(model, arch, tmp_path / "m.gguf", Q.F32)), expected, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q5_0, Q.Q4_0, Q.Q4_1])
 def test_quantized_gguf_matches_transformers_on_the_same_file(tiny_model, tmp_path, qtype):
     arch, model = tiny_model
     path = write_gguf(model, arch, tmp_path / "m.gguf", qtype)
@@ -124,8 +138,8 @@ def test_quantized_gguf_matches_transformers_on_the_same_file(tiny_model, tmp_pa
 
 def test_unsupported_tensor_type_is_named(tiny_model, tmp_path):
     arch, model = tiny_model
-    with pytest.raises(ValueError, match="unsupported type Q5_0"):
-        our_logits(write_gguf(model, arch, tmp_path / "m.gguf", Q.Q5_0))
+    with pytest.raises(ValueError, match="unsupported type Q5_1"):
+        our_logits(write_gguf(model, arch, tmp_path / "m.gguf", Q.Q5_1))
 
 
 def test_unsupported_tensor_name_is_named(tiny_model, tmp_path):
@@ -153,6 +167,9 @@ def test_truncated_and_corrupt_files_are_clear_errors(tiny_model, tmp_path):
 def test_gguf_names_map_to_hugging_face_names():
     assert hf_name("blk.3.attn_q.bias") == "model.layers.3.self_attn.q_proj.bias"
     assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_name("blk.1.ffn_norm.weight") == "model.layers.1.post_attention_layernorm.weight"
+    assert hf_name("blk.1.ffn_norm.weight", "Gemma3ForCausalLM") == "model.layers.1.pre_feedforward_layernorm.weight"
+    assert hf_name("blk.1.post_attention_norm.weight", "Gemma3ForCausalLM") == "model.layers.1.post_attention_layernorm.weight"
     with pytest.raises(ValueError, match="unsupported GGUF tensor"):
         hf_name("blk.0.ffn_gate_exps.weight")
 

@@ -228,12 +228,12 @@ class ModelRunner:
         q_valid = q_offsets[None, :] < lens[:, None]  # [B, Q]
         k_pos = np.arange(num_k, dtype=np.int64)
         key_slots = block_tables[:, k_pos // bs] * bs + k_pos % bs  # [B, K]; padding keys point at block 0
-        mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, Q, K] causal; padding queries still see key 0 (no NaN)
-        if self.config.sliding_window is not None:
-            mask &= k_pos[None, None, :] > q_pos[:, :, None] - self.config.sliding_window
+        # [B, Q, K] causal; padding queries still see key 0 (no NaN). Sliding-window layers narrow it to their
+        # window themselves (AttentionMetadata.windowed): the model's layers need not share one.
+        mask = k_pos[None, None, :] <= q_pos[:, :, None]
         # One prompt from its first token: the mask is plain causal, which SDPA applies without reading a
         # mask and skipping the blocks above the diagonal (~40% less attention time in a long prefill).
-        plain_causal = len(lens) == 1 and starts[0] == 0 and num_q > 1 and self.config.sliding_window is None
+        plain_causal = len(lens) == 1 and starts[0] == 0 and num_q > 1
         query_index = np.where(q_valid, first_rows[:, None] + q_offsets[None, :], 0)
         return (
             query_index,

@@ -1,7 +1,8 @@
 """Attention over the KV cache: write the new tokens' K/V into their slots, attend over each sequence's slots.
 
 One rule covers prompt prefill, chunked prefill and decode: every forward carries some new tokens of
-several sequences (flattened to T rows), and each sequence attends to all of its cached tokens.
+several sequences (flattened to T rows), and each sequence attends to all of its cached tokens, or, in a
+sliding-window layer, to the last `window` of them (`AttentionMetadata.windowed`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,19 @@ class AttentionGroup:
     mask: torch.Tensor | None
     token_rows: torch.Tensor | None  # [T_g] int64: flat rows of the group's tokens, in order; None: all T rows
 
+    def windowed(self, window: int, positions: torch.Tensor) -> AttentionGroup:
+        """The group as a layer sees it that attends to the last `window` positions only, the query's own
+        included. Key j of a sequence is its position j (key_slots are in position order); the queries'
+        positions come from the batch's (T,) positions."""
+        q_pos = positions[self.query_index][:, None, :, None]  # (B, 1, Q, 1)
+        k_pos = torch.arange(self.key_slots.shape[1], device=q_pos.device)  # (K,)
+        causal = self.mask if self.mask is not None else k_pos <= q_pos
+        mask = causal & (k_pos > q_pos - window)  # (B, 1, Q, K)
+        # A padding query (its row is dropped) may find no key left in its window: it keeps key 0, so that
+        # no row of the softmax is empty (NaN).
+        mask = mask | (~mask.any(dim=-1, keepdim=True) & (k_pos == 0))
+        return AttentionGroup(self.query_index, self.output_index, self.key_slots, mask, self.token_rows)
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -38,14 +52,18 @@ class AttentionMetadata:
     # One group; in a step that mixes decodes with prefill chunks, the decodes then the chunks.
     groups: list[AttentionGroup]
 
+    def windowed(self, window: int, positions: torch.Tensor) -> AttentionMetadata:
+        """The batch as a sliding-window layer sees it (AttentionGroup.windowed); computed once per forward."""
+        return AttentionMetadata(self.slot_mapping, [group.windowed(window, positions) for group in self.groups])
+
 
 class KVCacheAttention(nn.Module):
     """Scaled dot-product attention whose keys and values live in one preallocated cache per layer."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim**-0.5
+        self.scale = scale if scale is not None else head_dim**-0.5
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.cpu_kernel = False

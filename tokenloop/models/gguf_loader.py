@@ -15,10 +15,10 @@ from tokenloop.models.config import ModelConfig
 from tokenloop.models.quant import INT4_TENSOR_TYPES, INT8_TENSOR_TYPES, Int4Tensor, Int8Tensor, int4_from_gguf_blocks, int8_from_gguf_blocks
 
 # GGUF's general.architecture → Hugging Face class name. Mistral GGUFs declare "llama".
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 T = gguf.GGMLQuantizationType
-SUPPORTED_TENSOR_TYPES = {T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K}
+SUPPORTED_TENSOR_TYPES = {T.F32, T.F16, T.BF16, T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -35,7 +35,21 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
+# Gemma 3 normalises before and after attention and the MLP: its ffn_norm is the MLP's pre-norm.
+_ARCH_BLOCK_NAMES = {
+    "Gemma3ForCausalLM": _BLOCK_NAMES | {
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+# Gemma 3's local:global layer pattern and local RoPE base are not in its GGUF metadata: llama.cpp hard-codes
+# them as transformers' Gemma3TextConfig defaults them.
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -52,11 +66,16 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfi
 
     num_heads = get("attention.head_count")
     hidden = get("embedding_length")
+    head_dim = get("attention.key_length", hidden // num_heads)
     rope_scaling = None
-    if meta.get(f"{arch}.rope.scaling.type", "none") not in ("none", None):
-        raise ValueError(f"unsupported GGUF rope scaling {meta[f'{arch}.rope.scaling.type']!r}")
+    scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    elif scaling_type not in ("none", None):
+        raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}")
     if "rope_freqs.weight" in tensor_names:
         raise ValueError("unsupported GGUF tensor rope_freqs.weight (llama3 rope scaling stored as a tensor)")
+    extra = _gemma3_config(get("block_count"), hidden, num_heads, head_dim) if arch == "gemma3" else {}
     return ModelConfig(
         architecture=GGUF_ARCHITECTURES[arch],
         vocab_size=meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"]),
@@ -65,7 +84,7 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfi
         num_layers=get("block_count"),
         num_heads=num_heads,
         num_kv_heads=get("attention.head_count_kv", num_heads),
-        head_dim=get("attention.key_length", hidden // num_heads),
+        head_dim=head_dim,
         rms_norm_eps=get("attention.layer_norm_rms_epsilon"),
         rope_theta=get("rope.freq_base", 10000.0),
         max_position_embeddings=get("context_length"),
@@ -73,16 +92,31 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfi
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         sliding_window=meta.get(f"{arch}.attention.sliding_window"),
+        **extra,
     )
 
 
-def hf_name(gguf_name: str) -> str:
+def _gemma3_config(num_layers: int, hidden: int, num_heads: int, head_dim: int) -> dict[str, Any]:
+    """What Gemma 3's architecture fixes beyond the shared metadata, as llama.cpp reads the same file."""
+    pattern = GEMMA3_SLIDING_WINDOW_PATTERN
+    return dict(
+        layer_types=["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)],
+        rope_local_theta=GEMMA3_LOCAL_ROPE_THETA,
+        hidden_activation="gelu_pytorch_tanh",
+        # Scores are scaled by 1/sqrt(head_dim), except in the 27B model (62 layers): 1/sqrt(hidden / heads).
+        query_pre_attn_scalar=hidden // num_heads if num_layers == 62 else head_dim,
+    )
+
+
+def hf_name(gguf_name: str, architecture: str = "LlamaForCausalLM") -> str:
+    """A GGUF tensor's Hugging Face name in a model of `architecture` (a Hugging Face class name)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    block_names = _ARCH_BLOCK_NAMES.get(architecture, _BLOCK_NAMES)
     m = _BLOCK_TENSOR.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _BLOCK_NAMES:
+    if m is None or m.group(2) not in block_names:
         raise ValueError(f"unsupported GGUF tensor {gguf_name!r}")
-    return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{block_names[m.group(2)]}.{m.group(3)}"
 
 
 def iter_gguf_weights(
@@ -95,16 +129,17 @@ def iter_gguf_weights(
         if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
             supported = ", ".join(sorted(q.name for q in SUPPORTED_TENSOR_TYPES))
             raise ValueError(f"tensor {t.name!r} has unsupported type {t.tensor_type.name} (supported: {supported})")
+        name = hf_name(t.name, config.architecture)
         rows = slice(None)  # llama's Q/K rows come permuted: index them back into rotate-half order
         if permute_qk and t.name.endswith((".attn_q.weight", ".attn_k.weight")):
             heads = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
             rows = torch.from_numpy(unpermute_rope_rows(np.arange(t.data.shape[0]), heads))
         if keep_quantized and t.tensor_type in INT4_TENSOR_TYPES:
-            yield hf_name(t.name), int4_from_gguf_blocks(t.data, t.tensor_type).rows(rows)
+            yield name, int4_from_gguf_blocks(t.data, t.tensor_type).rows(rows)
         elif keep_quantized and t.tensor_type in INT8_TENSOR_TYPES:
-            yield hf_name(t.name), int8_from_gguf_blocks(t.data).rows(rows)
+            yield name, int8_from_gguf_blocks(t.data).rows(rows)
         else:
-            yield hf_name(t.name), dequantize_rows(t.data, t.tensor_type)[rows]
+            yield name, dequantize_rows(t.data, t.tensor_type)[rows]
 
 
 def dequantize_rows(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, rows_per_chunk: int = 4096) -> torch.Tensor:
@@ -120,14 +155,14 @@ def dequantize_rows(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, ro
     return out
 
 
-def int4_tensor_names(reader: gguf.GGUFReader) -> set[str]:
+def int4_tensor_names(reader: gguf.GGUFReader, config: ModelConfig) -> set[str]:
     """Hugging Face names of the tensors that iter_gguf_weights(keep_quantized=True) yields as Int4Tensor."""
-    return {hf_name(t.name) for t in reader.tensors if t.tensor_type in INT4_TENSOR_TYPES}
+    return {hf_name(t.name, config.architecture) for t in reader.tensors if t.tensor_type in INT4_TENSOR_TYPES}
 
 
-def int8_tensor_names(reader: gguf.GGUFReader) -> set[str]:
+def int8_tensor_names(reader: gguf.GGUFReader, config: ModelConfig) -> set[str]:
     """Hugging Face names of the tensors that iter_gguf_weights(keep_quantized=True) yields as Int8Tensor."""
-    return {hf_name(t.name) for t in reader.tensors if t.tensor_type in INT8_TENSOR_TYPES}
+    return {hf_name(t.name, config.architecture) for t in reader.tensors if t.tensor_type in INT8_TENSOR_TYPES}
 
 
 def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:

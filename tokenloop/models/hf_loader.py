@@ -1,4 +1,7 @@
-"""Hugging Face folders: config.json → ModelConfig, safetensors (sharded or not) → named weights."""
+"""Hugging Face folders: config.json → ModelConfig, safetensors (sharded or not) → named weights.
+
+Gemma's RMSNorms multiply by (1 + w) and its checkpoints store w: the weights come out as 1 + w, the form the
+model's RMSNorm (and llama.cpp's GGUF converter) uses."""
 
 from __future__ import annotations
 
@@ -19,7 +22,18 @@ def config_from_folder(folder: Path) -> ModelConfig:
     return ModelConfig.from_hf_config(json.loads(config_file.read_text()))
 
 
-def iter_safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+# Architectures whose checkpoints store RMSNorm weights as w for a (1 + w) scale.
+ONE_CENTERED_NORMS = {"Gemma3ForCausalLM"}
+
+
+def iter_safetensors_weights(folder: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    one_centered = config.architecture in ONE_CENTERED_NORMS
+    for name, tensor in _iter_tensors(folder):
+        # In float32, as transformers computes 1 + w, whatever the checkpoint's dtype.
+        yield name, (1.0 + tensor.float() if one_centered and name.endswith("norm.weight") else tensor)
+
+
+def _iter_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))

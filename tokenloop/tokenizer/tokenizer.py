@@ -13,6 +13,7 @@ from typing import Any
 
 import tokenizers
 
+from tokenloop.tokenizer.builtin_templates import gguf_chat_template
 from tokenloop.tokenizer.chat_template import render_chat_template
 from tokenloop.tokenizer.gguf_tokenizer import build_gguf_tokenizer, gguf_end_of_generation_ids
 
@@ -47,7 +48,7 @@ class Tokenizer:
             vocab_size=len(meta["tokenizer.ggml.tokens"]),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-            chat_template=meta.get("tokenizer.chat_template"),
+            chat_template=gguf_chat_template(meta),
             eos_token_ids=gguf_end_of_generation_ids(meta),
         )
 

@@ -1,0 +1,65 @@
+"""Per-layer attention windows through the engine, on the tiny Gemma 3 (window 8; five sliding layers, one global):
+greedy tokens and their logprobs equal transformers' with prefix caching on and off, with prefill chunks that
+cross the window, and with decodes batched beside prefill chunks (decode kernel and SDPA in one step)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenloop import LLM, SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+NEW_TOKENS = 12
+_ids = torch.randint(3, 400, (60,), generator=torch.Generator().manual_seed(2)).tolist()
+# 40-token prompts sharing their first 32 tokens (two blocks of 16, what prefix caching can share), and a longer one.
+PROMPTS = [_ids[:32] + _ids[32 + i : 40 + i] for i in range(3)] + [_ids]
+PARAMS = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_gemma3_folder) -> list[tuple[list[int], list[float]]]:
+    """transformers' greedy tokens and their logprobs, each step recomputed from the whole sequence."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_gemma3_folder, dtype=torch.float32).eval()
+    out = []
+    for prompt in PROMPTS:
+        ids, tokens, logprobs = list(prompt), [], []
+        with torch.no_grad():
+            for _ in range(NEW_TOKENS):
+                lp = model(torch.tensor([ids])).logits[0, -1].log_softmax(-1)
+                tokens.append(int(lp.argmax()))
+                logprobs.append(float(lp.max()))
+                ids.append(tokens[-1])
+        out.append((tokens, logprobs))
+    return out
+
+
+def check(outputs, reference) -> None:
+    for out, (tokens, logprobs) in zip(outputs, reference, strict=True):
+        ours = out.outputs[0]
+        assert ours.token_ids == tokens
+        got = [step[token].logprob for step, token in zip(ours.logprobs, ours.token_ids)]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(logprobs), atol=1e-4, rtol=0)
+
+
+def make(folder, **engine_args) -> LLM:
+    return LLM(folder, **({"dtype": "float32", "device": "cpu", "kv_cache_gb": 0.01} | engine_args))
+
+
+def requests() -> list[dict]:
+    return [{"prompt_token_ids": p} for p in PROMPTS]
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no prefix cache", "prefix cache"])
+def test_one_by_one_with_and_without_prefix_caching(tiny_gemma3_folder, reference, prefix_caching):
+    llm = make(tiny_gemma3_folder, enable_prefix_caching=prefix_caching)
+    # One by one, so that with caching the later prompts start from the first one's two cached blocks.
+    check([llm.generate(r, PARAMS, use_tqdm=False)[0] for r in requests()], reference)
+    assert (llm.llm_engine.block_manager.prefix_hit_tokens > 0) == prefix_caching
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_chunked_prefill_batched_with_decodes(tiny_gemma3_folder, reference, chunk):
+    """All prompts in one batch: their chunks share steps with the decodes of the ones that are done."""
+    check(make(tiny_gemma3_folder, max_num_batched_tokens=chunk).generate(requests(), PARAMS, use_tqdm=False), reference)
