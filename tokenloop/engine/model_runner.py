@@ -27,6 +27,9 @@ from tokenloop.spec.rejection_sampler import verify
 
 
 SCORE_ROWS = 256  # logit rows log-softmaxed at once when scoring a sequence's own tokens
+# Past the prompt, up to this many new tokens of a sequence attend as decode rows; each row reads the whole
+# context, so a longer run is cheaper as one SDPA chunk.
+MAX_DECODE_ROWS = 17
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -179,11 +182,14 @@ class ModelRunner:
         positions = np.arange(len(seq_of_token)) - (ends - lens)[seq_of_token] + starts[seq_of_token]  # [T]
         slot_mapping = block_tables[seq_of_token, positions // bs] * bs + positions % bs
 
-        # Decodes (the last token, and a draft after it to verify) attend as one query row per token, each with
-        # its own causal mask: the decode kernel's and the compiled step's one shape for any number of query
-        # tokens per sequence. Prefill chunks attend in a group of their own: padded to one [B, Q] batch, each
+        # Decodes attend as one query row per token, each with its own causal mask: the decode kernel's and the
+        # compiled step's one shape for any number of query tokens per sequence. They are the last token and a
+        # draft after it to verify, or a few tokens past the prompt (a draft model catching up with what its
+        # target accepted; a preempted sequence whose prompt came back from the prefix cache), which were decoded
+        # as such rows before. Prompt chunks attend in a group of their own: padded to one [B, Q] batch, each
         # decode would be computed for as many query rows as the longest chunk has.
-        decodes = lens == 1 + np.array(drafts, dtype=np.int64)
+        past_prompt = starts >= np.array([seq.num_prompt_tokens for seq in batch.seqs], dtype=np.int64)
+        decodes = (lens == 1 + np.array(drafts, dtype=np.int64)) | (past_prompt & (lens <= MAX_DECODE_ROWS))
         decode_tokens = np.flatnonzero(decodes[seq_of_token])
         groups = []
         if decodes.any():
