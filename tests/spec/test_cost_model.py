@@ -44,3 +44,9 @@ def test_a_costly_draft_model_shortens_the_drafts():
 
 def test_nothing_is_drafted_before_any_step_was_timed():
     assert choose_draft_lengths([0.9], [4], 1, 1, StepCosts()) == [0]
+
+
+def test_a_gain_within_the_estimates_error_does_not_draft():
+    # One step of 12 ms, 14 ms with a draft token: accepted with 0.19 it adds 2% tokens per second, below MIN_GAIN.
+    assert choose_draft_lengths([0.19], [1], 1, 1, fitted(0.010, 0.002)) == [0]
+    assert choose_draft_lengths([0.3], [1], 1, 1, fitted(0.010, 0.002)) == [1]

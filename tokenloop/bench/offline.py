@@ -238,7 +238,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--prefill-tokens", type=int, default=1024)
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ", ".join(ENGINES))
-    parser.add_argument("--repeats", type=int, default=3, help="each timed figure is the best of this many runs")
+    parser.add_argument("--repeats", type=int, default=3, help="each timed figure is the best of this many runs (--speculative: each ratio the median of this many paired runs)")
     parser.add_argument("--busy-core", action=argparse.BooleanOptionalAction, default=True, help="also decode while another process keeps one core busy")
     parser.add_argument("--speculative", action="store_true",
                         help="speculative decoding (n-gram lookup, 4-bit draft for float32) against tokenloop's own decode without it")

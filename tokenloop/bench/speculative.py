@@ -6,14 +6,17 @@ prompts, same compiled decode step, greedy:
 - the default model's 4-bit fast path drafting for its exact float32 path, against plain float32 decode;
 - n-gram lookup on open-ended chat, where it finds little (the cost model should turn drafting off);
 - 32 concurrent requests with n-gram lookup, against the same 32 without.
-Each figure is the best of `repeats` runs, the two sides interleaved (the machine's speed moves); every row also
-says whether the tokens were identical, the acceptance rate, the mean accepted length and the mean draft length
-the cost model chose.
+Each repeat runs the two sides back to back, and a row's ratio is the median of the repeats' ratios: the
+machine's speed moves by more than some rows' effect within minutes, and a pair run together shares the speed
+of its moment (the best of each side alone paired one side's luckiest minute with the other's). The tokens per
+second shown are the medians of each side. Every row also says whether the tokens were identical, the
+acceptance rate, the mean accepted length and the mean draft length the cost model chose.
 """
 
 from __future__ import annotations
 
 import gc
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -29,15 +32,30 @@ DRAFT = {"method": "draft", "dtype": "auto", "num_speculative_tokens": 8}  # the
 class Row:
     label: str
     goal: float  # the ratio it should reach
-    plain_tps: float = 0.0
-    spec_tps: float = 0.0
+    plain_rates: list[float] = field(default_factory=list)  # tokens per second of each repeat
+    spec_rates: list[float] = field(default_factory=list)
     identical: bool = False
     usage: SpeculativeUsage = field(default_factory=SpeculativeUsage)  # the timed runs' drafts and accepted tokens
     mean_draft_length: float = 0.0
 
     @property
+    def spread(self) -> str:
+        """The lowest and highest paired ratio: how far the machine's speed moved the pairs."""
+        ratios = [spec / plain for spec, plain in zip(self.spec_rates, self.plain_rates)]
+        return f"{min(ratios):.2f}-{max(ratios):.2f}"
+
+    @property
+    def plain_tps(self) -> float:
+        return statistics.median(self.plain_rates)
+
+    @property
+    def spec_tps(self) -> float:
+        return statistics.median(self.spec_rates)
+
+    @property
     def ratio(self) -> float:
-        return self.spec_tps / self.plain_tps if self.plain_tps else 0.0
+        """The median over repeats of spec / plain, each pair run back to back."""
+        return statistics.median(spec / plain for spec, plain in zip(self.spec_rates, self.plain_rates))
 
 
 def _run(llm, prompts: list[str], tokens: int, together: bool) -> tuple[float, list[list[int]]]:
@@ -64,9 +82,9 @@ def measure(row: Row, plain, spec, prompts: list[str], tokens: int, repeats: int
     plain_ids = spec_ids = None
     for _ in range(repeats):
         rate, plain_ids = _run(plain, prompts, tokens, together)
-        row.plain_tps = max(row.plain_tps, rate)
+        row.plain_rates.append(rate)
         rate, spec_ids = _run(spec, prompts, tokens, together)
-        row.spec_tps = max(row.spec_tps, rate)
+        row.spec_rates.append(rate)
     drafts, draft_tokens, accepted, planned, chosen = (now - then for now, then in zip(
         (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_planned_steps, stats.num_chosen_tokens), before))
     row.identical = plain_ids == spec_ids
@@ -75,7 +93,7 @@ def measure(row: Row, plain, spec, prompts: list[str], tokens: int, repeats: int
     return row
 
 
-def run(model: str, tokens: int = 128, repeats: int = 2) -> list[Row]:
+def run(model: str, tokens: int = 128, repeats: int = 3) -> list[Row]:
     from tokenloop import LLM
 
     build_compiled_package(model, "auto")
@@ -96,15 +114,16 @@ def run(model: str, tokens: int = 128, repeats: int = 2) -> list[Row]:
 
 
 def format_rows(rows: list[Row], model: str, tokens: int, repeats: int) -> str:
-    header = f"{'':34}{'plain tok/s':>12}{'spec tok/s':>12}{'ratio':>8}{'goal':>7}{'same tokens':>13}{'accepted':>10}{'mean len':>10}{'mean k':>8}"
-    lines = [f"tokenloop bench --speculative: {model}, greedy, up to {tokens} tokens per request, best of {repeats}", header]
+    header = (f"{'':34}{'plain tok/s':>12}{'spec tok/s':>12}{'ratio':>8}{'spread':>13}{'goal':>7}{'same tokens':>13}{'accepted':>10}"
+              f"{'mean len':>10}{'mean k':>8}")
+    lines = [f"tokenloop bench --speculative: {model}, greedy, up to {tokens} tokens per request, median of {repeats} paired runs", header]
     for r in rows:
         verdict = "ok" if r.ratio >= r.goal else "SHORT"
         lines.append(
-            f"{r.label:34}{r.plain_tps:>12.1f}{r.spec_tps:>12.1f}{r.ratio:>7.2f}x{'>=' + format(r.goal, '.2f'):>7}"
+            f"{r.label:34}{r.plain_tps:>12.1f}{r.spec_tps:>12.1f}{r.ratio:>7.2f}x{r.spread:>13}{'>=' + format(r.goal, '.2f'):>7}"
             f"{'yes' if r.identical else 'NO':>13}{r.usage.acceptance_rate:>10.2f}{r.usage.mean_accepted_length or 1.0:>10.2f}{r.mean_draft_length:>8.2f}  {verdict}"
         )
-    lines.append("plain = tokenloop's compiled decode without speculation (the float32 row: plain float32); ratio = spec / plain.")
+    lines.append("plain = tokenloop's compiled decode without speculation (the float32 row: plain float32); ratio = median of spec / plain over the paired runs (spread: lowest-highest).")
     lines.append("accepted = accepted / drafted tokens; mean len = tokens per verifying step; mean k = draft tokens the cost model chose per sequence-step.")
     return "\n".join(lines)
 

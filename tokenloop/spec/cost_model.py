@@ -17,6 +17,10 @@ DECAY = 0.97  # the weight of an observation falls by this factor with each newe
 # Before the fit has seen two different token counts, one query token is taken to cost this fraction of a
 # step's fixed part: optimistic enough to try drafting once, after which the fit has its second point.
 PRIOR_TOKENS_PER_FIXED_COST = 32
+# Drafting must beat not drafting by this fraction of the expected tokens per second: a smaller gain is within
+# the error of the estimates it rests on (a request's rate from a few drafts, the fitted line), and a verify
+# step measured here costs about that much more than the line says (open chat drafted at a loss without it).
+MIN_GAIN = 0.03
 
 
 @dataclass(slots=True)
@@ -70,7 +74,8 @@ def choose_draft_lengths(alphas: list[float], limits: list[int], base_tokens: in
     tokens, expected = base_tokens, float(base_yield)
     per_depth: list[int] = []  # sequences drafting at depth j (each depth is one draft forward)
     draft_seconds = 0.0
-    best_rate, picks, best_picks = expected / target.seconds(tokens), [], 0
+    base_rate = expected / target.seconds(tokens)
+    best_rate, picks, best_picks = base_rate, [], 0
     while heap:
         gain, i = heapq.heappop(heap)
         ks[i] += 1
@@ -86,9 +91,13 @@ def choose_draft_lengths(alphas: list[float], limits: list[int], base_tokens: in
         rate = expected / (target.seconds(tokens) + draft_seconds)
         if rate > best_rate:
             best_rate, best_picks = rate, len(picks)
+        elif draft is None:
+            break  # each next token gains less at the same cost: the rate only falls from here
         if ks[i] < limits[i]:
             heapq.heappush(heap, (gain * alphas[i], i))
     chosen = [0] * len(alphas)
+    if best_rate < base_rate * (1 + MIN_GAIN):
+        return chosen
     for i in picks[:best_picks]:
         chosen[i] += 1
     return chosen

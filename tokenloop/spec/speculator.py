@@ -18,7 +18,7 @@ from tokenloop.spec.config import SpeculativeConfig
 from tokenloop.spec.cost_model import StepCosts, choose_draft_lengths
 from tokenloop.spec.proposer import Draft, Proposer
 
-PRIOR_WEIGHT = 2.0  # a request's acceptance rate starts from the proposer's mean as if seen over this many drafts
+PRIOR_WEIGHT = 1.0  # a request's acceptance rate starts from the proposer's mean as if seen over this many drafts
 INITIAL_ACCEPTANCE = 0.5  # the proposer's mean before any draft was verified
 
 
