@@ -101,8 +101,12 @@ def test_bad_shapes_raise_a_clear_error():
         torch.ops.tokenloop.q4_matmul(torch.randn(1, 96), packed, scale, offset)
     with pytest.raises(RuntimeError, match="float32"):
         torch.ops.tokenloop.q4_matmul(torch.randn(1, 64).double(), packed, scale, offset)
-    with pytest.raises(RuntimeError, match="scales must be contiguous float16"):
+    with pytest.raises(RuntimeError, match="offsets must be contiguous and of the scales' type"):
         torch.ops.tokenloop.q4_matmul(torch.randn(1, 64), packed, scale.float(), offset)
+    with pytest.raises(RuntimeError, match="scales must be float16 or float32"):
+        torch.ops.tokenloop.q4_matmul(torch.randn(1, 64), packed, scale.double(), offset.double())
+    with pytest.raises(RuntimeError, match=r"scales must be \[N / 8, K / 32, 8 or 16\]"):
+        torch.ops.tokenloop.q8_matmul(torch.randn(1, 64), torch.zeros(1, 2, 256, dtype=torch.int8), torch.zeros(1, 2, 24).half())
     with pytest.raises(RuntimeError, match="offsets must have shape"):
         torch.ops.tokenloop.q4_matmul(torch.randn(1, 64), packed, scale, offset[:, :1].contiguous())
     with pytest.raises(RuntimeError, match="K must be a multiple of 32, got 2K = 96"):

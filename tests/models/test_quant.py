@@ -1,5 +1,6 @@
-"""The fast path's 4-bit weights: GGUF Q4_0/Q4_1 blocks map onto group-32 int4 without changing one weight,
-and a model loaded with them (dtype "auto") stays close to the exact float32 path."""
+"""The fast path's quantized modules: the kernel where it can run, float32 on the exact weights otherwise, and a
+model loaded with them (dtype "auto") stays close to the exact float32 path. (The mappings of each GGML type:
+test_ggml_types.py.)"""
 
 from __future__ import annotations
 
@@ -14,42 +15,10 @@ from tests.helpers import forward_in_chunks
 from tests.models.test_gguf_loader import TOKENS, tiny_model, write_gguf  # noqa: F401 (tiny_model is a fixture)
 from tokenloop.models.loader import load_model
 from tokenloop import kernels
-from tokenloop.models.quant import Int4Linear, Int8Embedding, int4_from_gguf_blocks, int8_from_gguf_blocks
+from tokenloop.models.ggml_types import GGML_FORMATS
+from tokenloop.models.quant import Int4Linear, Int8Embedding
 
 Q = gguf.GGMLQuantizationType
-
-
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
-def test_int4_mapping_reproduces_the_dequantized_gguf_weights_exactly(qtype):
-    rng = np.random.default_rng(0)
-    weights = (rng.standard_normal((96, 128)) * rng.uniform(0.01, 3, (96, 1))).astype(np.float32)
-    weights[3, :32] = 0.5  # a constant group: d = 0 in Q4_1
-    blocks = quantize(weights, qtype)
-    expected = torch.from_numpy(dequantize(blocks, qtype))
-    int4 = int4_from_gguf_blocks(blocks, qtype)
-    assert int4.q.dtype == torch.uint8 and int(int4.q.max()) <= 15
-    assert torch.equal(int4.dequantize(), expected)
-    linear = Int4Linear(128, 96, bias=False)
-    # Loaded in row blocks, as packed q/k/v are; 60 splits one of the kernel's interleaved groups of 8 rows.
-    linear.load_rows(slice(0, 60), int4.rows(slice(0, 60)))
-    linear.load_rows(slice(60, 96), int4.rows(slice(60, 96)))
-    assert torch.equal(linear.weight_int4().dequantize(), expected)
-
-
-def test_q8_0_mapping_reproduces_the_dequantized_gguf_weights_exactly():
-    rng = np.random.default_rng(2)
-    weights = (rng.standard_normal((40, 96)) * rng.uniform(0.01, 3, (40, 1))).astype(np.float32)
-    blocks = quantize(weights, Q.Q8_0)
-    expected = torch.from_numpy(dequantize(blocks, Q.Q8_0))
-    int8 = int8_from_gguf_blocks(blocks)
-    assert int8.q.dtype == torch.int8
-    assert torch.equal(int8.dequantize(), expected)
-    embedding = Int8Embedding(40, 96)
-    embedding.load_rows(slice(0, 13), int8.rows(slice(0, 13)))  # 13 splits one of the 8-row groups
-    embedding.load_rows(slice(13, 40), int8.rows(slice(13, 40)))
-    assert torch.equal(embedding.weight_int8().dequantize(), expected)
-    ids = torch.tensor([[3, 0], [39, 3]])
-    assert torch.equal(embedding(ids), expected[ids])  # the lookup is exact
 
 
 @pytest.mark.parametrize("cpu_kernel", [True, False])
@@ -58,11 +27,11 @@ def test_quantized_modules_run_the_kernel_where_it_can_and_float32_otherwise(cpu
     rng = np.random.default_rng(1)
     blocks = quantize(rng.standard_normal((64, 96)).astype(np.float32), Q.Q4_1)
     linear = Int4Linear(96, 64, bias=True)
-    linear.load_rows(slice(None), int4_from_gguf_blocks(blocks, Q.Q4_1))
+    linear.load_rows(slice(None), GGML_FORMATS[Q.Q4_1].convert(blocks))
     torch.nn.init.normal_(linear.bias)
     head_blocks = quantize(rng.standard_normal((80, 96)).astype(np.float32), Q.Q8_0)
     head = Int8Embedding(80, 96)
-    head.load_rows(slice(None), int8_from_gguf_blocks(head_blocks))
+    head.load_rows(slice(None), GGML_FORMATS[Q.Q8_0].convert(head_blocks))
     if cpu_kernel:
         linear.use_cpu_kernel()
         head.use_cpu_kernel()

@@ -10,8 +10,11 @@
 //       weight j + 16 in the high one). Scales and offsets are [N / 8, K / 32, 8] (Q4_1: offset = m;
 //       Q4_0: offset = -8 * scale).
 //   q8: the same with signed bytes, w = q * scale (Q8_0): weight [N / 8, K / 32, 256], 8 chunks of 4 bytes
-//       per row; scales [N / 8, K / 32, 8].
-// Scales and offsets are float16, as in the file: exact, and a sixth of the bytes a step reads instead of a third.
+//       per row; scales [N / 8, K / 32, 8], or [N / 8, K / 32, 16] with a scale per 16 weights (Q6_K): the
+//       rows' scales of weights 0..15, then of 16..31.
+// Scales and offsets are float16 where the file's are (Q4_0, Q4_1, Q8_0, Q5_0: exact, and a sixth of the bytes a
+// step reads instead of a third), float32 where they are a float16 times a small integer (the K-quants' sub-block
+// scales d * sc: exact in float32, not in float16).
 #define CPU_CAPABILITY AVX2
 #define CPU_CAPABILITY_AVX2
 #include <ATen/Parallel.h>
@@ -117,7 +120,9 @@ Activations quantize_rows(const at::Tensor& x) {
   return {qp, sp, up, k, groups};
 }
 
-inline __m256 load_halves(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+// 8 scales (or offsets) as floats, from float16 or float32 storage.
+inline __m256 load_scales(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load_scales(const float* p) { return _mm256_loadu_ps(p); }
 
 // Asks for the cache lines of the weight block kPrefetchBytes past this one (bytes long).
 inline void prefetch_ahead(const void* block, int64_t bytes) {
@@ -172,8 +177,8 @@ struct Q8Dot {
 // per activation row. One multiply-add multiplies 4 weights of each of the 8 rows by the same 4 activations,
 // so its lanes are already per weight row: no horizontal sums, and each weight byte is unpacked once for all
 // kRows rows.
-template <int kRows>
-void q4_rows(const Activations& x, const uint8_t* weight, const uint16_t* scale, const uint16_t* offset, float* y, int64_t y_stride) {
+template <int kRows, typename Scale>
+void q4_rows(const Activations& x, const uint8_t* weight, const Scale* scale, const Scale* offset, float* y, int64_t y_stride) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   __m256 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
@@ -192,7 +197,7 @@ void q4_rows(const Activations& x, const uint8_t* weight, const uint16_t* scale,
         dot[r].add(low, broadcast_4_bytes(xb + 4 * p), high, broadcast_4_bytes(xb + 16 + 4 * p));
       }
     }
-    const __m256 d = load_halves(scale + g * 8), m = load_halves(offset + g * 8);
+    const __m256 d = load_scales(scale + g * 8), m = load_scales(offset + g * 8);
     for (int r = 0; r < kRows; ++r) {
       acc[r] = _mm256_fmadd_ps(dot[r].floats(), _mm256_mul_ps(d, _mm256_set1_ps(x.scale[r * x.groups + g])), acc[r]);
       acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.sum[r * x.groups + g]), acc[r]);
@@ -216,22 +221,26 @@ inline void for_row_tiles(const Activations& x, int64_t m, Fn&& rows) {
 }
 
 // q8: as q4, with 8 chunks of signed bytes per block. The multiply-adds take unsigned by signed bytes, so w's
-// sign moves onto x (pairs up to 2 * 128 * 127).
-template <int kRows>
-void q8_rows(const Activations& x, const int8_t* weight, const uint16_t* scale, float* y, int64_t y_stride) {
+// sign moves onto x (pairs up to 2 * 128 * 127). kSubBlocks scales per block: 1, or 2 (chunks 0..3 are weights
+// 0..15, chunks 4..7 weights 16..31, each half with its own scale).
+template <int kRows, typename Scale, int kSubBlocks>
+void q8_rows(const Activations& x, const int8_t* weight, const Scale* scale, float* y, int64_t y_stride) {
+  constexpr int kChunks = 8 / kSubBlocks;
   __m256 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < x.groups; ++g) {
     const int8_t* wb = weight + g * kQ8GroupBytes;
     prefetch_ahead(wb, kQ8GroupBytes);
-    Q8Dot dot[kRows];
-    for (int c = 0; c < 8; ++c) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
-      const __m256i w_abs = _mm256_sign_epi8(w, w);
-      for (int r = 0; r < kRows; ++r) dot[r].add(w_abs, _mm256_sign_epi8(broadcast_4_bytes(x.q + r * x.k + g * kBlock + 4 * c), w));
+    for (int sub = 0; sub < kSubBlocks; ++sub) {
+      Q8Dot dot[kRows];
+      for (int c = sub * kChunks; c < (sub + 1) * kChunks; ++c) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
+        const __m256i w_abs = _mm256_sign_epi8(w, w);
+        for (int r = 0; r < kRows; ++r) dot[r].add(w_abs, _mm256_sign_epi8(broadcast_4_bytes(x.q + r * x.k + g * kBlock + 4 * c), w));
+      }
+      const __m256 d = load_scales(scale + (g * kSubBlocks + sub) * 8);
+      for (int r = 0; r < kRows; ++r) acc[r] = _mm256_fmadd_ps(dot[r].floats(), _mm256_mul_ps(d, _mm256_set1_ps(x.scale[r * x.groups + g])), acc[r]);
     }
-    const __m256 d = load_halves(scale + g * 8);
-    for (int r = 0; r < kRows; ++r) acc[r] = _mm256_fmadd_ps(dot[r].floats(), _mm256_mul_ps(d, _mm256_set1_ps(x.scale[r * x.groups + g])), acc[r]);
   }
   for (int r = 0; r < kRows; ++r) _mm256_storeu_ps(y + r * y_stride, acc[r]);
 }
@@ -254,7 +263,6 @@ void matmul_row_groups(const Activations& x, int64_t m, int64_t row_groups, floa
   });
 }
 
-const uint16_t* half_bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); }
 
 // Returns K: x is [M, K], or [M, 2K] for the SwiGLU product.
 int64_t check_activations(const at::Tensor& x, bool swiglu = false) {
@@ -273,22 +281,34 @@ void check_weight(const at::Tensor& weight, int64_t k, at::ScalarType type, cons
               ", got ", weight.sizes());
 }
 
-void check_halves(const at::Tensor& t, at::IntArrayRef shape, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous(), name, " must be contiguous float16");
+void check_scales(const at::Tensor& t, at::IntArrayRef shape, const char* name, at::ScalarType type) {
+  TORCH_CHECK(t.scalar_type() == type && t.is_contiguous(), name, " must be contiguous and of the scales' type (float16 or float32)");
   TORCH_CHECK(t.sizes() == shape, name, " must have shape ", shape, ", got ", t.sizes());
+}
+
+// Calls fn(Scale{}) with Scale = at::Half or float, the scales' storage type.
+template <typename Fn>
+void with_scale_type(const at::Tensor& scale, Fn&& fn) {
+  TORCH_CHECK(scale.scalar_type() == at::kHalf || scale.scalar_type() == at::kFloat, "scales must be float16 or float32");
+  if (scale.scalar_type() == at::kHalf) fn(at::Half{});
+  else fn(float{});
 }
 
 template <bool kSwiGLU>
 at::Tensor q4_product(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& offset) {
   const int64_t groups = check_activations(x, kSwiGLU) / kBlock;
   check_weight(weight, groups * kBlock, at::kByte, "uint8", kQ4GroupBytes);
-  check_halves(scale, {weight.size(0), groups, 8}, "scales");
-  check_halves(offset, {weight.size(0), groups, 8}, "offsets");
+  check_scales(scale, {weight.size(0), groups, 8}, "scales", scale.scalar_type());
+  check_scales(offset, {weight.size(0), groups, 8}, "offsets", scale.scalar_type());
   at::Tensor y = at::empty({x.size(0), weight.size(0) * 8}, x.options());
   const uint8_t* w = weight.data_ptr<uint8_t>();
-  const uint16_t *s = half_bits(scale), *o = half_bits(offset);
-  matmul_row_groups(quantize_rows<kSwiGLU>(x), x.size(0), weight.size(0), y.data_ptr<float>(), [&](const Activations& tile, int64_t rg, auto k_rows, float* out, int64_t n) {
-    q4_rows<decltype(k_rows)::value>(tile, w + rg * groups * kQ4GroupBytes, s + rg * groups * 8, o + rg * groups * 8, out, n);
+  const Activations activations = quantize_rows<kSwiGLU>(x);
+  with_scale_type(scale, [&](auto type) {
+    using Scale = decltype(type);
+    const Scale *s = scale.data_ptr<Scale>(), *o = offset.data_ptr<Scale>();
+    matmul_row_groups(activations, x.size(0), weight.size(0), y.data_ptr<float>(), [&](const Activations& tile, int64_t rg, auto k_rows, float* out, int64_t n) {
+      q4_rows<decltype(k_rows)::value>(tile, w + rg * groups * kQ4GroupBytes, s + rg * groups * 8, o + rg * groups * 8, out, n);
+    });
   });
   return y;
 }
@@ -305,12 +325,20 @@ at::Tensor q4_swiglu_matmul(const at::Tensor& gate_up, const at::Tensor& weight,
 at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
   const int64_t groups = check_activations(x) / kBlock;
   check_weight(weight, groups * kBlock, at::kChar, "int8", kQ8GroupBytes);
-  check_halves(scale, {weight.size(0), groups, 8}, "scales");
+  TORCH_CHECK(scale.dim() == 3 && (scale.size(2) == 8 || scale.size(2) == 16), "scales must be [N / 8, K / 32, 8 or 16]");
+  const int64_t per_group = scale.size(2);  // 8 rows' scales, once or twice (a scale per 16 weights)
+  check_scales(scale, {weight.size(0), groups, per_group}, "scales", scale.scalar_type());
   at::Tensor y = at::empty({x.size(0), weight.size(0) * 8}, x.options());
   const int8_t* w = weight.data_ptr<int8_t>();
-  const uint16_t* s = half_bits(scale);
-  matmul_row_groups(quantize_rows<false>(x), x.size(0), weight.size(0), y.data_ptr<float>(), [&](const Activations& tile, int64_t rg, auto k_rows, float* out, int64_t n) {
-    q8_rows<decltype(k_rows)::value>(tile, w + rg * groups * kQ8GroupBytes, s + rg * groups * 8, out, n);
+  const Activations activations = quantize_rows<false>(x);
+  with_scale_type(scale, [&](auto type) {
+    using Scale = decltype(type);
+    const Scale* s = scale.data_ptr<Scale>();
+    matmul_row_groups(activations, x.size(0), weight.size(0), y.data_ptr<float>(), [&](const Activations& tile, int64_t rg, auto k_rows, float* out, int64_t n) {
+      constexpr int kRows = decltype(k_rows)::value;
+      if (per_group == 16) q8_rows<kRows, Scale, 2>(tile, w + rg * groups * kQ8GroupBytes, s + rg * groups * 16, out, n);
+      else q8_rows<kRows, Scale, 1>(tile, w + rg * groups * kQ8GroupBytes, s + rg * groups * 8, out, n);
+    });
   });
   return y;
 }

@@ -12,7 +12,8 @@ import torch
 from gguf.quants import dequantize
 
 from tokenloop.models.config import ModelConfig
-from tokenloop.models.quant import INT4_TENSOR_TYPES, INT8_TENSOR_TYPES, Int4Tensor, Int8Tensor, int4_from_gguf_blocks, int8_from_gguf_blocks
+from tokenloop.models.ggml_types import GGML_FORMATS
+from tokenloop.models.quant import Int4Tensor, Int8Tensor, QuantLayout
 
 # GGUF's general.architecture → Hugging Face class name. Mistral GGUFs declare "llama".
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
@@ -123,7 +124,7 @@ def iter_gguf_weights(
     reader: gguf.GGUFReader, config: ModelConfig, keep_quantized: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | Int4Tensor | Int8Tensor]]:
     """Yield (Hugging Face name, tensor) one at a time from the memory map: float32, dequantized, except, with
-    keep_quantized, Q4_0/Q4_1 tensors as Int4Tensor and Q8_0 as Int8Tensor (the file's own integers and scales)."""
+    keep_quantized, the types of GGML_FORMATS as Int4Tensor or Int8Tensor (the file's own integers and scales)."""
     permute_qk = config.architecture == GGUF_ARCHITECTURES["llama"]
     for t in reader.tensors:
         if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
@@ -134,10 +135,8 @@ def iter_gguf_weights(
         if permute_qk and t.name.endswith((".attn_q.weight", ".attn_k.weight")):
             heads = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
             rows = torch.from_numpy(unpermute_rope_rows(np.arange(t.data.shape[0]), heads))
-        if keep_quantized and t.tensor_type in INT4_TENSOR_TYPES:
-            yield name, int4_from_gguf_blocks(t.data, t.tensor_type).rows(rows)
-        elif keep_quantized and t.tensor_type in INT8_TENSOR_TYPES:
-            yield name, int8_from_gguf_blocks(t.data).rows(rows)
+        if keep_quantized and t.tensor_type in GGML_FORMATS and t.data.ndim == 2:
+            yield name, GGML_FORMATS[t.tensor_type].convert(t.data).rows(rows)
         else:
             yield name, dequantize_rows(t.data, t.tensor_type)[rows]
 
@@ -155,14 +154,10 @@ def dequantize_rows(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, ro
     return out
 
 
-def int4_tensor_names(reader: gguf.GGUFReader, config: ModelConfig) -> set[str]:
-    """Hugging Face names of the tensors that iter_gguf_weights(keep_quantized=True) yields as Int4Tensor."""
-    return {hf_name(t.name, config.architecture) for t in reader.tensors if t.tensor_type in INT4_TENSOR_TYPES}
-
-
-def int8_tensor_names(reader: gguf.GGUFReader, config: ModelConfig) -> set[str]:
-    """Hugging Face names of the tensors that iter_gguf_weights(keep_quantized=True) yields as Int8Tensor."""
-    return {hf_name(t.name, config.architecture) for t in reader.tensors if t.tensor_type in INT8_TENSOR_TYPES}
+def quantized_layouts(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, QuantLayout]:
+    """Hugging Face name → layout of every tensor that iter_gguf_weights(keep_quantized=True) yields quantized."""
+    return {hf_name(t.name, config.architecture): GGML_FORMATS[t.tensor_type].layout for t in reader.tensors
+            if t.tensor_type in GGML_FORMATS and t.data.ndim == 2}
 
 
 def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:

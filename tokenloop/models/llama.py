@@ -17,7 +17,7 @@ from torch import nn
 from tokenloop.models.attention import AttentionMetadata, KVCacheAttention
 from tokenloop.models.config import ModelConfig
 from tokenloop.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
-from tokenloop.models.quant import Int4Linear, Int4Tensor, Int8Embedding, Int8Tensor, QuantizedModule, low_precision_linear
+from tokenloop.models.quant import Int4Linear, Int4Tensor, Int8Embedding, Int8Linear, Int8Tensor, QuantizedModule, QuantLayout, low_precision_linear
 
 
 class DecoderAttention(nn.Module):
@@ -143,25 +143,31 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(ckpt_part, packed), shard_index, slice(start, start + sizes[shard_index])
         return name, 0, slice(None)
 
-    def use_quantized(self, int4_checkpoint_names: set[str], int8_checkpoint_names: set[str]) -> None:
-        """Turn into Int4Linear every decoder linear whose checkpoint tensors (all shards) are 4-bit, and a tied
-        8-bit embedding into an Int8Embedding (the LM head too).
+    def use_quantized(self, layouts: dict[str, QuantLayout]) -> None:
+        """Turn into Int4Linear / Int8Linear every decoder linear whose checkpoint tensors (all shards) are kept
+        quantized in one layout, and a tied 8-bit embedding into an Int8Embedding (the LM head too). A linear
+        whose shards differ in layout stays float.
 
-        Call on the meta device, before the weights are loaded."""
-        if self.config.tie_word_embeddings and "model.embed_tokens.weight" in int8_checkpoint_names:
-            self.embed_tokens = Int8Embedding(self.config.vocab_size, self.config.hidden_size)
+        `layouts`: checkpoint name → QuantLayout. Call on the meta device, before the weights are loaded."""
+        embedding = layouts.get("model.embed_tokens.weight")
+        if self.config.tie_word_embeddings and embedding is not None and embedding.bits == 8:
+            self.embed_tokens = Int8Embedding(self.config.vocab_size, self.config.hidden_size, embedding)
             self.tie_weights()
-        shards: dict[str, set[str]] = {}
-        for name in int4_checkpoint_names:
+        shards: dict[str, set[QuantLayout]] = {}
+        counts: dict[str, int] = {}
+        for name, layout in layouts.items():
             target, _, _ = self.checkpoint_target(name)
             if target.startswith("layers.") and target.endswith(".weight"):
-                shards.setdefault(target.removesuffix(".weight"), set()).add(name)
-        for module_name, names in shards.items():
+                module_name = target.removesuffix(".weight")
+                shards.setdefault(module_name, set()).add(layout)
+                counts[module_name] = counts.get(module_name, 0) + 1
+        for module_name, kinds in shards.items():
             linear = self.get_submodule(module_name)
-            if len(names) == self.num_shards(module_name.split(".")[-1]):
+            if len(kinds) == 1 and counts[module_name] == self.num_shards(module_name.split(".")[-1]):
+                (layout,) = kinds
+                cls = Int4Linear if layout.bits == 4 else Int8Linear
                 parent, child = module_name.rsplit(".", 1)
-                int4 = Int4Linear(linear.in_features, linear.out_features, linear.bias is not None)
-                setattr(self.get_submodule(parent), child, int4)
+                setattr(self.get_submodule(parent), child, cls(linear.in_features, linear.out_features, linear.bias is not None, layout))
 
     def num_shards(self, module: str) -> int:
         """Checkpoint tensors that pack into this module's weight (3 for qkv_proj, 2 for gate_up_proj, else 1)."""

@@ -13,11 +13,11 @@ from torch.overrides import TorchFunctionMode
 
 from tokenloop.models import store
 from tokenloop.models.config import ModelConfig
-from tokenloop.models.gguf_loader import config_from_gguf, int4_tensor_names, int8_tensor_names, iter_gguf_weights
+from tokenloop.models.gguf_loader import config_from_gguf, iter_gguf_weights, quantized_layouts
 from tokenloop.models.gguf_metadata import open_gguf, read_metadata
 from tokenloop.models.hf_loader import config_from_folder, iter_safetensors_weights
 from tokenloop.models.layers import RotaryEmbedding
-from tokenloop.models.quant import Int8Embedding, QuantizedModule
+from tokenloop.models.quant import Int8Embedding, QuantizedModule, QuantLayout
 from tokenloop.models.registry import model_class
 from tokenloop.tokenizer.tokenizer import Tokenizer
 
@@ -49,12 +49,12 @@ def load_model(
     load_tokenizer: bool = True,
     keep_quantized: bool = False,
 ) -> LoadedModel:
-    """keep_quantized: GGUF Q4_0/Q4_1 linears stay 4-bit (Int4Linear), a tied Q8_0 embedding / LM head stays 8-bit
-    (Int8Embedding) and any other embedding / LM head of such a file is held in bfloat16 (the fast path);
-    otherwise every weight is dequantized to `dtype` (the exact path)."""
+    """keep_quantized: GGUF linears of the types in ggml_types.GGML_FORMATS stay 4- or 8-bit (Int4Linear,
+    Int8Linear), a tied 8-bit embedding / LM head stays 8-bit (Int8Embedding) and any other embedding / LM head
+    of such a file is held in bfloat16 (the fast path); otherwise every weight is dequantized to `dtype` (the
+    exact path)."""
     path = store.resolve(name_or_path)
-    int4_names: set[str] = set()
-    int8_names: set[str] = set()
+    layouts: dict[str, QuantLayout] = {}
     if path.is_dir():
         config = config_from_folder(path)
         weights: Iterable[tuple[str, torch.Tensor]] = iter_safetensors_weights(path, config)
@@ -64,14 +64,14 @@ def load_model(
         meta = read_metadata(reader)
         config = config_from_gguf(meta, {t.name for t in reader.tensors})
         if keep_quantized:
-            int4_names, int8_names = int4_tensor_names(reader, config), int8_tensor_names(reader, config)
+            layouts = quantized_layouts(reader, config)
         weights = iter_gguf_weights(reader, config, keep_quantized=keep_quantized)
         tokenizer = Tokenizer.from_gguf_metadata(meta) if load_tokenizer else None
         # The parsed metadata (a vocabulary of tens of thousands of small arrays) is not needed any more:
         # freed before the weights arrive, it stays out of the peak memory of loading.
         reader.fields.clear()
         del meta
-    model = build_model(config, dtype, device, int4_names, int8_names)
+    model = build_model(config, dtype, device, layouts)
     model.load_weights(weights)
     for module in model.modules():
         if isinstance(module, QuantizedModule):
@@ -80,7 +80,7 @@ def load_model(
 
 
 def build_model(
-    config: ModelConfig, dtype: torch.dtype, device: torch.device, int4_names: set[str] = frozenset(), int8_names: set[str] = frozenset()
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, layouts: dict[str, QuantLayout] | None = None
 ) -> nn.Module:
     """Parameters in their dtype on their device, left uninitialised: the checkpoint writes every one of them
     (load_weights checks), so random initialisation would be seconds of wasted work."""
@@ -90,10 +90,10 @@ def build_model(
     try:
         with torch.device("meta"), SkipInit():
             model = cls(config)
-            model.use_quantized(int4_names, int8_names)
+            model.use_quantized(layouts or {})
     finally:
         torch.set_default_dtype(previous)
-    if int4_names:  # the fast path holds an embedding / LM head it did not keep in int8 in bfloat16
+    if layouts:  # the fast path holds an embedding / LM head it did not keep in int8 in bfloat16
         for module in {model.embed_tokens, model.lm_head}:
             if not isinstance(module, Int8Embedding):
                 module.to(torch.bfloat16)

@@ -1,16 +1,16 @@
-"""4-bit weights that stay 4-bit: GGUF Q4_0/Q4_1 blocks mapped exactly onto group-32 int4 with a scale and a zero.
+"""Weights that stay quantized: GGUF blocks mapped exactly onto the two forms tokenloop's CPU kernel computes.
 
-A GGUF Q4_1 group of 32 weights is w = q * d + m (q in 0..15, d and m float16); Q4_0 is w = (q - 8) * d.
-Both are w = q * scale + offset with scale = d and offset = m (Q4_1) or -8d (Q4_0): the form tokenloop's
-CPU kernel (`tokenloop.kernels`) computes, so the integers need no requantization.
+- int4, one scale and one offset per group of 32 along K: w = q * scale + offset, q in 0..15. Q4_1 is
+  w = q * d + m, Q4_0 is (q - 8) * d, Q4_K is d * sc * q - dmin * m per sub-block of 32.
+- int8, one scale per group of 32 (or 16) along K: w = q * scale. Q8_0 is q * d, Q5_0 is (q - 16) * d,
+  Q6_K is d * sc * (q - 32) per group of 16.
+The integers need no requantization; `ggml_types.py` maps each GGML type onto its form.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import gguf
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,9 +21,15 @@ GROUP_SIZE = 32
 INTERLEAVED_ROWS = 8  # the int4 kernel's weight rows come in interleaved groups of this many
 LOW_PRECISION_MAX_ROWS = 16
 
-T = gguf.GGMLQuantizationType
-INT4_TENSOR_TYPES = {T.Q4_0, T.Q4_1}
-INT8_TENSOR_TYPES = {T.Q8_0}
+
+@dataclass(frozen=True, slots=True)
+class QuantLayout:
+    """How a weight is held: its bits, its scales' dtype (float16 as a file's, or float32 for a K-quant's
+    float16 times an integer) and the weights per scale. Shards packed into one module must share it."""
+
+    bits: int  # 4 (with offsets) or 8
+    scale_dtype: torch.dtype
+    group: int = GROUP_SIZE  # 32, or 16 (int8 only)
 
 
 @dataclass(slots=True)
@@ -31,12 +37,16 @@ class Int4Tensor:
     """A [N, K] weight as 4-bit integers with one scale and zero per group of 32 along K."""
 
     q: torch.Tensor  # [N, K] uint8 in 0..15
-    scales: torch.Tensor  # [N, K / 32] float16, as in the file
-    offsets: torch.Tensor  # [N, K / 32] float16
+    scales: torch.Tensor  # [N, K / 32] float16 (as in the file) or float32
+    offsets: torch.Tensor  # [N, K / 32], the scales' dtype
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.q.shape)
+
+    @property
+    def layout(self) -> QuantLayout:
+        return QuantLayout(4, self.scales.dtype)
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.q.shape
@@ -48,53 +58,37 @@ class Int4Tensor:
 
 
 def dequantize_into(out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """out [N, groups, j] = offset + q * scale in float32: q * scale is exact (float16 d times 4 bits), so each
-    weight is rounded once, as in gguf's own dequantization (bit for bit; for Q4_0 the sum is exact too)."""
+    """out [N, groups, j] = offset + q * scale in float32: q * scale is exact (a float16 d, or d times a 6-bit
+    integer, times 4 bits), so each weight is rounded once, as in gguf's own dequantization (bit for bit)."""
     return torch.addcmul(offsets.float()[..., None], q, scales.float()[..., None], out=out)
-
-
-def int4_from_gguf_blocks(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> Int4Tensor:
-    """Raw Q4_0/Q4_1 bytes [N, bytes per row] → Int4Tensor [N, K], bit for bit (no rounding anywhere)."""
-    n = data.shape[0]
-    header = 2 if tensor_type == T.Q4_0 else 4  # float16 d, then float16 m for Q4_1
-    blocks = np.ascontiguousarray(data).reshape(n, -1, header + GROUP_SIZE // 2)  # [N, groups, block bytes]
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
-    packed = blocks[..., header:]  # low nibbles hold weights 0..15 of the group, high nibbles 16..31
-    q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(n, -1)
-    if tensor_type == T.Q4_0:
-        offsets = d * np.float16(-8)  # exact: a power of two
-    else:
-        offsets = blocks[..., 2:4].copy().view(np.float16)[..., 0]
-    return Int4Tensor(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(offsets))
 
 
 @dataclass(slots=True)
 class Int8Tensor:
-    """A [N, K] weight as int8 with one scale per group of 32 along K (GGUF Q8_0: w = q * d)."""
+    """A [N, K] weight as int8 with one scale per group of 32 (or 16) along K: w = q * scale."""
 
     q: torch.Tensor  # [N, K] int8
-    scales: torch.Tensor  # [N, K / 32] float16, as in the file
+    scales: torch.Tensor  # [N, K / group] float16 (as in the file) or float32
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.q.shape)
 
+    @property
+    def group(self) -> int:
+        return self.q.shape[1] // self.scales.shape[1]
+
+    @property
+    def layout(self) -> QuantLayout:
+        return QuantLayout(8, self.scales.dtype, self.group)
+
     def dequantize(self) -> torch.Tensor:
-        """q * d is exact in float32 (8 bits times float16's 11), as in gguf's own dequantization."""
+        """q * scale, one rounding of exact operands, as in gguf's own dequantization (bit for bit)."""
         n, k = self.q.shape
-        return (self.q.view(n, k // GROUP_SIZE, GROUP_SIZE) * self.scales.float()[..., None]).view(n, k)
+        return (self.q.view(n, k // self.group, self.group) * self.scales.float()[..., None]).view(n, k)
 
     def rows(self, rows: slice | torch.Tensor) -> Int8Tensor:
         return Int8Tensor(self.q[rows], self.scales[rows])
-
-
-def int8_from_gguf_blocks(data: np.ndarray) -> Int8Tensor:
-    """Raw Q8_0 bytes [N, bytes per row] → Int8Tensor [N, K], bit for bit."""
-    n = data.shape[0]
-    blocks = np.ascontiguousarray(data).reshape(n, -1, 2 + GROUP_SIZE)  # float16 d, then 32 int8
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
-    q = blocks[..., 2:].copy().view(np.int8).reshape(n, -1)
-    return Int8Tensor(torch.from_numpy(q), torch.from_numpy(d))
 
 
 class QuantizedModule(nn.Module):
@@ -108,14 +102,17 @@ class QuantizedModule(nn.Module):
 
     cpu_kernel = False  # set by use_cpu_kernel once the weights are loaded
 
-    def __init__(self, rows: int, cols: int, block_bytes: int, qdtype: torch.dtype, offsets: bool) -> None:
+    def __init__(self, rows: int, cols: int, block_bytes: int, qdtype: torch.dtype, offsets: bool, layout: QuantLayout) -> None:
         super().__init__()
         if cols % GROUP_SIZE:
             raise ValueError(f"{type(self).__name__} needs a row length divisible by {GROUP_SIZE}, got {cols}")
         self.rows, self.cols, self.block_bytes = rows, cols, block_bytes  # block_bytes: one row's 32 weights
+        self.layout = layout
+        self.sub_blocks = GROUP_SIZE // layout.group  # scales per block of 32
         row_groups, groups = -(-rows // INTERLEAVED_ROWS), cols // GROUP_SIZE
         self.register_buffer("qweight", torch.zeros(row_groups, groups, INTERLEAVED_ROWS * block_bytes, dtype=qdtype))
-        self.register_buffer("scales", torch.zeros(row_groups, groups, INTERLEAVED_ROWS, dtype=torch.float16))
+        # [row group, group, sub-block, row in group] flattened: the 8 rows' scales of each sub-block in turn
+        self.register_buffer("scales", torch.zeros(row_groups, groups, self.sub_blocks * INTERLEAVED_ROWS, dtype=layout.scale_dtype))
         self.register_buffer("offsets", torch.zeros_like(self.scales) if offsets else None)
 
     @property
@@ -128,21 +125,26 @@ class QuantizedModule(nn.Module):
         row_groups, groups, _ = self.qweight.shape
         return self.qweight.view(row_groups, groups, self.block_bytes // 4, INTERLEAVED_ROWS, 4).permute(0, 3, 1, 2, 4)
 
+    def _per_row(self, buffer: torch.Tensor) -> torch.Tensor:
+        """A scales (or offsets) buffer as [row group, row in group, group, sub-block]: a view."""
+        row_groups, groups, _ = buffer.shape
+        return buffer.view(row_groups, groups, self.sub_blocks, INTERLEAVED_ROWS).permute(0, 3, 1, 2)
+
     def _store_rows(self, rows: slice, blocks: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None) -> None:
-        """Write rows given as [n, groups, block_bytes] bytes and [n, groups] scales (and offsets)."""
+        """Write rows given as [n, groups, block_bytes] bytes and [n, groups * sub-blocks] scales (and offsets)."""
         index = torch.arange(self.rows)[rows]
         at = (index // INTERLEAVED_ROWS, index % INTERLEAVED_ROWS)
         self._blocks()[at] = blocks.reshape(len(index), -1, self.block_bytes // 4, 4)
         for buffer, values in ((self.scales, scales), (self.offsets, offsets)):
             if buffer is not None:
-                buffer.permute(0, 2, 1)[at] = values
+                self._per_row(buffer)[at] = values.reshape(len(index), -1, self.sub_blocks).to(buffer.dtype)
 
     def _read_rows(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Rows `index` (1-D) as [n, groups, block_bytes] bytes and [n, groups] scales and offsets."""
+        """Rows `index` (1-D) as [n, groups, block_bytes] bytes and [n, groups * sub-blocks] scales and offsets."""
         at = (index // INTERLEAVED_ROWS, index % INTERLEAVED_ROWS)
         blocks = self._blocks()[at].flatten(-2)
-        halves = [None if h is None else h.permute(0, 2, 1)[at] for h in (self.scales, self.offsets)]
-        return blocks, halves[0], halves[1]
+        scales = [None if h is None else self._per_row(h)[at].flatten(-2) for h in (self.scales, self.offsets)]
+        return blocks, scales[0], scales[1]
 
     def _all_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         return self._read_rows(torch.arange(self.rows, device=self.qweight.device))
@@ -162,8 +164,8 @@ class QuantizedModule(nn.Module):
 class Int4Linear(QuantizedModule):
     """y = x W^T (+ b) with W held as group-32 int4; loaded row block by row block (q/k/v, gate/up pack)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
-        super().__init__(out_features, in_features, GROUP_SIZE // 2, torch.uint8, offsets=True)
+    def __init__(self, in_features: int, out_features: int, bias: bool, layout: QuantLayout = QuantLayout(4, torch.float16)) -> None:
+        super().__init__(out_features, in_features, GROUP_SIZE // 2, torch.uint8, offsets=True, layout=layout)
         self.in_features, self.out_features = in_features, out_features
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
@@ -193,23 +195,52 @@ class Int4Linear(QuantizedModule):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int4 group {GROUP_SIZE}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int4 group {GROUP_SIZE}, {self.layout.scale_dtype} scales"
 
 
-class Int8Embedding(QuantizedModule):
-    """A token embedding held as int8 (GGUF Q8_0) that, tied, is the LM head too: `logits` runs tokenloop's
-    CPU kernel, which reads a quarter of the bytes a float32 head would."""
+class Int8Weights(QuantizedModule):
+    """Rows of int8 weights with a scale per group of 32 (or 16), multiplied by the q8 kernel."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
-        super().__init__(num_embeddings, embedding_dim, GROUP_SIZE, torch.int8, offsets=False)
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+    def __init__(self, rows: int, cols: int, layout: QuantLayout) -> None:
+        super().__init__(rows, cols, GROUP_SIZE, torch.int8, offsets=False, layout=layout)
 
     def load_rows(self, rows: slice, weight: Int8Tensor) -> None:
         self._store_rows(rows, weight.q.view(weight.q.shape[0], -1, GROUP_SIZE), weight.scales, None)
 
     def weight_int8(self) -> Int8Tensor:
         q, scales, _ = self._all_rows()
-        return Int8Tensor(q.view(self.num_embeddings, self.embedding_dim), scales)
+        return Int8Tensor(q.view(self.rows, self.cols), scales)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T in x's dtype."""
+        if self.cpu_kernel:
+            return self._drop_padding(torch.ops.tokenloop.q8_matmul(x.float().contiguous(), self.qweight, self.scales)).to(x.dtype)
+        return F.linear(x, self.weight_int8().dequantize().to(x.dtype))
+
+
+class Int8Linear(Int8Weights):
+    """y = x W^T (+ b) with W held as int8 (GGUF Q8_0, Q5_0, Q6_K)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, layout: QuantLayout = QuantLayout(8, torch.float16)) -> None:
+        super().__init__(out_features, in_features, layout)
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.product(x)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8 group {self.layout.group}, {self.layout.scale_dtype} scales"
+
+
+class Int8Embedding(Int8Weights):
+    """A token embedding held as int8 (GGUF Q8_0) that, tied, is the LM head too: `logits` runs tokenloop's
+    CPU kernel, which reads a quarter of the bytes a float32 head would."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, layout: QuantLayout = QuantLayout(8, torch.float16)) -> None:
+        super().__init__(num_embeddings, embedding_dim, layout)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         q, scales, _ = self._read_rows(input_ids.flatten())
@@ -217,12 +248,10 @@ class Int8Embedding(QuantizedModule):
         return rows.view(*input_ids.shape, self.embedding_dim)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cpu_kernel:
-            return self._drop_padding(torch.ops.tokenloop.q8_matmul(x.float().contiguous(), self.qweight, self.scales)).to(x.dtype)
-        return F.linear(x, self.weight_int8().dequantize().to(x.dtype))
+        return self.product(x)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, int8 group {GROUP_SIZE}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8 group {self.layout.group}"
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,85 @@
+"""Each GGML type the fast path keeps quantized maps onto the kernel's int4 or int8 form without changing one
+weight (bit for bit against gguf's own dequantization), loads into its module in row blocks, and the kernel's
+product equals the float64 product of the int8-quantized activations with those exact weights.
+
+K-quant blocks are random bytes with finite float16 fields: every bit pattern of the integer fields is a valid
+block, so this covers every scale, min and high bit, not only what a quantizer would write."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize
+
+from tests.kernels.test_quantized_matmul import quantized_activations
+from tokenloop import kernels
+from tokenloop.models.ggml_types import GGML_FORMATS
+from tokenloop.models.quant import Int4Linear, Int4Tensor, Int8Embedding, Int8Linear
+
+Q = gguf.GGMLQuantizationType
+# Byte offsets of each block's float16 fields (d, and m or dmin), which must be finite.
+HALF_FIELDS = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q8_0: [0], Q.Q5_0: [0], Q.Q4_K: [0, 2], Q.Q6_K: [208]}
+
+
+def random_blocks(qtype: gguf.GGMLQuantizationType, rows: int, cols: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, (rows, cols // block_size, type_size), dtype=np.uint8)
+    for at in HALF_FIELDS[qtype]:
+        halves = rng.uniform(-0.05, 0.05, (rows, cols // block_size)).astype(np.float16)
+        halves[0, 0] = 0  # a zero scale too
+        data[..., at : at + 2] = halves[..., None].view(np.uint8)
+    return data.reshape(rows, -1)
+
+
+def test_every_type_has_a_mapping_and_its_halves_listed():
+    assert set(GGML_FORMATS) == set(HALF_FIELDS)
+
+
+@pytest.mark.parametrize("qtype", list(GGML_FORMATS), ids=lambda q: q.name)
+def test_the_mapping_reproduces_gguf_dequantization_bit_for_bit(qtype):
+    rows, cols = 21, 512  # two K-quant super-blocks per row; 21 rows: two full groups of 8 and a padded one
+    blocks = random_blocks(qtype, rows, cols, seed=int(qtype))
+    expected = torch.from_numpy(dequantize(blocks, qtype))
+    fmt = GGML_FORMATS[qtype]
+    tensor = fmt.convert(blocks)
+    assert tensor.shape == (rows, cols) and tensor.layout == fmt.layout
+    assert torch.equal(tensor.dequantize(), expected)
+    module = (Int4Linear if fmt.layout.bits == 4 else Int8Linear)(cols, rows, False, fmt.layout)
+    module.load_rows(slice(0, 13), tensor.rows(slice(0, 13)))  # 13 splits one of the kernel's 8-row groups
+    module.load_rows(slice(13, rows), tensor.rows(slice(13, rows)))
+    weight = module.weight_int4() if isinstance(module, Int4Linear) else module.weight_int8()
+    assert torch.equal(weight.dequantize(), expected)
+
+
+@pytest.mark.skipif(kernels._unsupported_reason() is not None, reason=str(kernels._unsupported_reason()))
+@pytest.mark.parametrize("qtype", list(GGML_FORMATS), ids=lambda q: q.name)
+@pytest.mark.parametrize("m", [1, 5, 40])
+def test_the_kernel_is_the_int8_activation_product_with_the_exact_weights(qtype, m):
+    rows, cols = 21, 512
+    fmt = GGML_FORMATS[qtype]
+    tensor = fmt.convert(random_blocks(qtype, rows, cols, seed=m))
+    module = (Int4Linear if fmt.layout.bits == 4 else Int8Linear)(cols, rows, False, fmt.layout)
+    module.load_rows(slice(None), tensor)
+    module.use_cpu_kernel()
+    assert module.cpu_kernel
+    x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m)) * 3
+    expected = quantized_activations(x) @ tensor.dequantize().double().t()
+    torch.testing.assert_close(module(x).double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
+def test_an_int8_embedding_with_a_scale_per_16_looks_up_exactly():
+    tensor = GGML_FORMATS[Q.Q6_K].convert(random_blocks(Q.Q6_K, 30, 256, seed=3))
+    embedding = Int8Embedding(30, 256, GGML_FORMATS[Q.Q6_K].layout)
+    embedding.load_rows(slice(None), tensor)
+    ids = torch.tensor([[3, 0], [29, 3]])
+    assert torch.equal(embedding(ids), tensor.dequantize()[ids])
+
+
+def test_q4_k_scales_are_float32_and_not_float16_representable():
+    # d * sc needs up to 17 bits: float16 storage would round some of them (the reason for float32 scales).
+    tensor = GGML_FORMATS[Q.Q4_K].convert(random_blocks(Q.Q4_K, 8, 256, seed=5))
+    assert isinstance(tensor, Int4Tensor) and tensor.scales.dtype == torch.float32
+    assert not torch.equal(tensor.scales.half().float(), tensor.scales)
