@@ -7,6 +7,7 @@ from dataclasses import replace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tokenloop.engine.llm_engine import LLMEngine
+from tokenloop.engine.model_runner import sliding_window_idle_bytes
 from tokenloop.spec.speculator import SpecStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -23,6 +24,9 @@ class EngineMetrics:
         self.paused = Gauge("tokenloop_num_requests_paused", "Sequences paused until their reader catches up", registry=r)
         self.blocks_used = Gauge("tokenloop_kv_cache_blocks_in_use", "KV blocks referenced by sequences", registry=r)
         self.blocks_total = Gauge("tokenloop_kv_cache_blocks_total", "KV blocks in the pool", registry=r)
+        self.sliding_idle = Gauge(
+            "tokenloop_kv_cache_sliding_window_idle_bytes", "KV bytes of sliding-window layers wholly outside their window (never read again)", registry=r
+        )
         self.prefix_hit_rate = Gauge("tokenloop_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up", registry=r)
         self.prompt_tokens = Counter("tokenloop_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("tokenloop_generation_tokens", "Generated tokens", registry=r)
@@ -49,6 +53,8 @@ class EngineMetrics:
         self.paused.set(len(scheduler.paused))
         self.blocks_used.set(blocks.num_used_blocks)
         self.blocks_total.set(blocks.num_blocks)
+        self.sliding_idle.set(sliding_window_idle_bytes(engine.model_config, engine.config.block_size, engine.config.kv_cache_dtype,
+                                                        [seq.num_tokens for seq in scheduler.running]))
         if blocks.prefix_queried_tokens:
             self.prefix_hit_rate.set(blocks.prefix_hit_tokens / blocks.prefix_queried_tokens)
         self.preemptions.inc(scheduler.num_preemptions - self._preemptions_seen)

@@ -36,6 +36,15 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
     return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
 
 
+def sliding_window_idle_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype, num_tokens: list[int]) -> int:
+    """KV bytes that sliding-window layers hold and will never read again, for sequences of `num_tokens` tokens:
+    in each such layer, every block wholly before a sequence's last `window` positions. (Full-attention layers
+    still read those blocks, so they stay allocated; a layer's pool pages there could be given back.)"""
+    per_layer_block = 2 * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
+    windows = [w for w in map(config.layer_window, range(config.num_layers)) if w is not None]
+    return per_layer_block * sum(max(n - w, 0) // block_size for w in windows for n in num_tokens)
+
+
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero-filled KV pool. On the CPU it is an anonymous memory map, whose pages stay unmapped (and out of
     the resident memory) until a token is written there: a pool sized for the worst case costs what it holds.
