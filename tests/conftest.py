@@ -34,11 +34,9 @@ def llm_fp32(default_model_path):
 @pytest.fixture(scope="session")
 def hf_reference(default_model_path):
     """transformers loading the same GGUF (dequantized to float32): the model and its tokenizer."""
-    transformers = pytest.importorskip("transformers")
-    folder, name = str(default_model_path.parent), default_model_path.name
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    return model, tokenizer
+    from tests.helpers import transformers_from_gguf
+
+    return transformers_from_gguf(default_model_path)
 
 
 @pytest.fixture(scope="session")

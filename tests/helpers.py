@@ -17,6 +17,16 @@ from tokenloop.models.loader import LoadedModel
 from tokenloop.sampling.params import SamplingParams
 
 
+def transformers_from_gguf(path: Path):
+    """transformers loading a GGUF (dequantized to float32): the model and its tokenizer."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    folder, name = str(path.parent), path.name
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    return model, transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
 def forward_in_chunks(loaded: LoadedModel, token_ids: list[int], chunks: list[int], block_size: int = 4) -> torch.Tensor:
     """Logits [len(token_ids), vocab] computed `chunks[i]` tokens at a time against a KV cache of its own.
 

@@ -5,8 +5,8 @@ and the chat template's."""
 from __future__ import annotations
 
 import pytest
-import torch
 
+from tests.helpers import transformers_from_gguf
 from tests.models.test_gguf_parity import reference_greedy
 from tokenloop import LLM, SamplingParams
 from tokenloop.tokenizer.builtin_templates import GEMMA3_CHAT_TEMPLATE
@@ -52,10 +52,7 @@ def gemma3_fp32(gemma3_path):
 
 @pytest.fixture(scope="module")
 def gemma3_reference(gemma3_path):
-    transformers = pytest.importorskip("transformers")
-    folder, name = str(gemma3_path.parent), gemma3_path.name
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model, tokenizer = transformers_from_gguf(gemma3_path)
     tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE  # the file has none; ours falls back to the same text
     return model, tokenizer
 

@@ -8,16 +8,13 @@ the layers that share them: other decoders (Gemma 3) subclass it with their own 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
-
 import torch
 from torch import nn
 
 from tokenloop.models.attention import AttentionMetadata, KVCacheAttention
 from tokenloop.models.config import ModelConfig
 from tokenloop.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
-from tokenloop.models.quant import Int4Linear, Int4Tensor, Int8Embedding, Int8Linear, Int8Tensor, QuantizedModule, QuantLayout, low_precision_linear
+from tokenloop.models.quant import Int8Embedding, low_precision_linear
 
 
 class DecoderAttention(nn.Module):
@@ -74,14 +71,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    # Checkpoint tensors that pack into one of our parameters: name → (our name, shard index).
-    packed_modules = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    """Parameters named as transformers' are, but for two packed matmuls per layer (self_attn.qkv_proj,
+    mlp.gate_up_proj); how checkpoint tensors reach them is the loaders' business (models/weights.py)."""
 
     decoder_layer: type[nn.Module] = DecoderLayer  # built from the config, called as layer(rope, x, meta)
 
@@ -126,80 +117,3 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[KVCacheAttention]:
         return [layer.self_attn.attn for layer in self.layers]
-
-    def shard_sizes(self, packed_name: str) -> list[int]:
-        c = self.config
-        if packed_name == "qkv_proj":
-            return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
-        return [c.intermediate_size, c.intermediate_size]
-
-    def checkpoint_target(self, ckpt_name: str) -> tuple[str, int, slice]:
-        """A checkpoint tensor's destination: (our parameter name, shard index, rows of that parameter)."""
-        name = ckpt_name.removeprefix("model.")
-        for ckpt_part, (packed, shard_index) in self.packed_modules.items():
-            if f".{ckpt_part}." in name:
-                sizes = self.shard_sizes(packed)
-                start = sum(sizes[:shard_index])
-                return name.replace(ckpt_part, packed), shard_index, slice(start, start + sizes[shard_index])
-        return name, 0, slice(None)
-
-    def use_quantized(self, layouts: dict[str, QuantLayout]) -> None:
-        """Turn into Int4Linear / Int8Linear every decoder linear whose checkpoint tensors (all shards) are kept
-        quantized in one layout, and a tied 8-bit embedding into an Int8Embedding (the LM head too). A linear
-        whose shards differ in layout stays float.
-
-        `layouts`: checkpoint name → QuantLayout. Call on the meta device, before the weights are loaded."""
-        embedding = layouts.get("model.embed_tokens.weight")
-        if self.config.tie_word_embeddings and embedding is not None and embedding.bits == 8:
-            self.embed_tokens = Int8Embedding(self.config.vocab_size, self.config.hidden_size, embedding)
-            self.tie_weights()
-        shards: dict[str, set[QuantLayout]] = {}
-        counts: dict[str, int] = {}
-        for name, layout in layouts.items():
-            target, _, _ = self.checkpoint_target(name)
-            if target.startswith("layers.") and target.endswith(".weight"):
-                module_name = target.removesuffix(".weight")
-                shards.setdefault(module_name, set()).add(layout)
-                counts[module_name] = counts.get(module_name, 0) + 1
-        for module_name, kinds in shards.items():
-            linear = self.get_submodule(module_name)
-            if len(kinds) == 1 and counts[module_name] == self.num_shards(module_name.split(".")[-1]):
-                (layout,) = kinds
-                cls = Int4Linear if layout.bits == 4 else Int8Linear
-                parent, child = module_name.rsplit(".", 1)
-                setattr(self.get_submodule(parent), child, cls(linear.in_features, linear.out_features, linear.bias is not None, layout))
-
-    def num_shards(self, module: str) -> int:
-        """Checkpoint tensors that pack into this module's weight (3 for qkv_proj, 2 for gate_up_proj, else 1)."""
-        return sum(packed == module for packed, _ in self.packed_modules.values()) or 1
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | Int4Tensor | Int8Tensor]]) -> None:
-        """Copy checkpoint tensors (Hugging Face names) into the parameters, packing q/k/v and gate/up.
-
-        Every parameter (every shard of a packed one) must be written: a missing or unexpected tensor raises ValueError.
-        """
-        params: dict[str, Any] = dict(self.named_parameters())
-        params |= {f"{name}.weight": m for name, m in self.named_modules() if isinstance(m, QuantizedModule)}
-        expected = set()
-        for name in params:
-            expected |= {(name, i) for i in range(self.num_shards(name.split(".")[-2]))}
-        written = set()
-        for ckpt_name, tensor in weights:
-            if self.config.tie_word_embeddings and ckpt_name.removeprefix("model.") == "lm_head.weight":
-                continue  # some checkpoints store the tied head anyway
-            target, shard, rows = self.checkpoint_target(ckpt_name)
-            if target not in params:
-                raise ValueError(f"unexpected tensor {ckpt_name!r} in the checkpoint")
-            dest = params[target]
-            dest_shape = dest.weight_shape if isinstance(dest, QuantizedModule) else dest.shape
-            rows_shape = (len(range(dest_shape[0])[rows]), *dest_shape[1:])
-            if tuple(rows_shape) != tuple(tensor.shape):
-                raise ValueError(f"tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, expected {tuple(rows_shape)}")
-            if isinstance(dest, QuantizedModule):
-                dest.load_rows(rows, tensor)
-            else:
-                dest[rows].copy_(tensor.dequantize() if isinstance(tensor, (Int4Tensor, Int8Tensor)) else tensor)
-            written.add((target, shard))
-        if missing := sorted(expected - written):
-            raise ValueError(f"checkpoint is missing tensors for: {[name for name, _ in missing[:8]]}")

@@ -19,6 +19,7 @@ from tokenloop.models.hf_loader import config_from_folder, iter_safetensors_weig
 from tokenloop.models.layers import RotaryEmbedding
 from tokenloop.models.quant import Int8Embedding, QuantizedModule, QuantLayout
 from tokenloop.models.registry import model_class
+from tokenloop.models.weights import load_weights, use_quantized
 from tokenloop.tokenizer.tokenizer import Tokenizer
 
 
@@ -72,7 +73,7 @@ def load_model(
         reader.fields.clear()
         del meta
     model = build_model(config, dtype, device, layouts)
-    model.load_weights(weights)
+    load_weights(model, weights)
     for module in model.modules():
         if isinstance(module, QuantizedModule):
             module.use_cpu_kernel()
@@ -90,7 +91,7 @@ def build_model(
     try:
         with torch.device("meta"), SkipInit():
             model = cls(config)
-            model.use_quantized(layouts or {})
+            use_quantized(model, layouts or {})
     finally:
         torch.set_default_dtype(previous)
     if layouts:  # the fast path holds an embedding / LM head it did not keep in int8 in bfloat16
