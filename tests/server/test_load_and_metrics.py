@@ -79,8 +79,9 @@ def test_client_leaving_a_stream_aborts_its_request_and_frees_its_blocks(server)
 def test_client_timing_out_on_a_non_streamed_request_aborts_it(which, request):
     server = request.getfixturevalue(which)
     before = wait_until_idle(server)
-    # 32 x 250 tokens on a 39-block pool take seconds; the server checks for a gone client every 0.5 s.
-    body = {"model": MODEL_NAME, "prompt": "Hello world", "max_tokens": 250, "n": 32, "temperature": 1, "ignore_eos": True}
+    # 128 x 250 tokens take seconds (32 x 250 ran in 0.4 s on a fast machine, before the first check); the server
+    # checks for a gone client every 0.5 s.
+    body = {"model": MODEL_NAME, "prompt": "Hello world", "max_tokens": 250, "n": 128, "temperature": 1, "ignore_eos": True}
     with server.http() as http:
         try:
             http.post("/v1/completions", json=body, timeout=0.3)
@@ -89,7 +90,7 @@ def test_client_timing_out_on_a_non_streamed_request_aborts_it(which, request):
             pass
     after = wait_until_idle(server)
     assert after["tokenloop_e2e_request_latency_seconds_count"] == before["tokenloop_e2e_request_latency_seconds_count"]
-    assert after["tokenloop_generation_tokens_total"] - before["tokenloop_generation_tokens_total"] < 32 * 250
+    assert after["tokenloop_generation_tokens_total"] - before["tokenloop_generation_tokens_total"] < 128 * 250
 
 
 def test_metrics_count_tokens_latencies_and_prefix_cache_hits(server, client, hf_tokenizer):
