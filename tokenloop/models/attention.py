@@ -28,6 +28,7 @@ class AttentionGroup:
     # group is one sequence from position 0 (Q = K), whose mask is plain causal.
     mask: torch.Tensor | None
     token_rows: torch.Tensor | None  # [T_g] int64: flat rows of the group's tokens, in order; None: all T rows
+    window: int | None = None  # set by windowed(): the mask keeps only the last `window` positions
 
     def windowed(self, window: int, positions: torch.Tensor) -> AttentionGroup:
         """The group as a layer sees it that attends to the last `window` positions only, the query's own
@@ -40,7 +41,7 @@ class AttentionGroup:
         # A padding query (its row is dropped) may find no key left in its window: it keeps key 0, so that
         # no row of the softmax is empty (NaN).
         mask = mask | (~mask.any(dim=-1, keepdim=True) & (k_pos == 0))
-        return AttentionGroup(self.query_index, self.output_index, self.key_slots, mask, self.token_rows)
+        return AttentionGroup(self.query_index, self.output_index, self.key_slots, mask, self.token_rows, window)
 
 
 @dataclass(slots=True)
@@ -101,9 +102,25 @@ class KVCacheAttention(nn.Module):
         keys = self.k_cache[:, group.key_slots].to(q.dtype).transpose(0, 1)  # (B, num_kv_heads, K, head_dim)
         values = self.v_cache[:, group.key_slots].to(q.dtype).transpose(0, 1)
         queries = q[group.query_index].transpose(1, 2)  # (B, num_heads, Q, head_dim)
-        out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=group.mask, is_causal=group.mask is None, scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )  # (B, num_heads, Q, head_dim)
+        num_q, num_k = queries.shape[2], keys.shape[2]
+        if group.window is not None and queries.shape[0] == 1 and num_q > group.window:
+            # One sequence's long chunk in a sliding-window layer. SDPA computes every block of the [Q, K] scores
+            # it is given, masked or not: chunks of window / 2 queries, each over the keys its window reaches,
+            # compute about half of it at Q = 2 windows (a 1,024-token Gemma 3 prompt), less as Q grows.
+            step = max(group.window // 2, 1)
+            first = num_k - num_q  # the chunk's first position: key j is position j
+            parts = []
+            for a in range(0, num_q, step):
+                b = min(a + step, num_q)
+                k0, k1 = max(first + a - group.window + 1, 0), first + b
+                parts.append(self._sdpa(queries[:, :, a:b], keys[:, :, k0:k1], values[:, :, k0:k1], group.mask[:, :, a:b, k0:k1]))
+            out = torch.cat(parts, dim=2)
+        else:
+            out = self._sdpa(queries, keys, values, group.mask)  # (B, num_heads, Q, head_dim)
         out = out.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)  # (B * Q, hidden)
         return out[group.output_index]  # (T_g, hidden)
+
+    def _sdpa(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
+        )
