@@ -39,10 +39,14 @@ class Row:
     mean_draft_length: float = 0.0
 
     @property
+    def ratios(self) -> list[float]:
+        """spec / plain of each repeat, the two run back to back."""
+        return [spec / plain for spec, plain in zip(self.spec_rates, self.plain_rates)]
+
+    @property
     def spread(self) -> str:
         """The lowest and highest paired ratio: how far the machine's speed moved the pairs."""
-        ratios = [spec / plain for spec, plain in zip(self.spec_rates, self.plain_rates)]
-        return f"{min(ratios):.2f}-{max(ratios):.2f}"
+        return f"{min(self.ratios):.2f}-{max(self.ratios):.2f}"
 
     @property
     def plain_tps(self) -> float:
@@ -54,8 +58,8 @@ class Row:
 
     @property
     def ratio(self) -> float:
-        """The median over repeats of spec / plain, each pair run back to back."""
-        return statistics.median(spec / plain for spec, plain in zip(self.spec_rates, self.plain_rates))
+        """The median of the paired ratios."""
+        return statistics.median(self.ratios)
 
 
 def _run(llm, prompts: list[str], tokens: int, together: bool) -> tuple[float, list[list[int]]]:

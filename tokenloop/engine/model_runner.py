@@ -40,7 +40,7 @@ def sliding_window_idle_bytes(config: ModelConfig, block_size: int, dtype: torch
     """KV bytes that sliding-window layers hold and will never read again, for sequences of `num_tokens` tokens:
     in each such layer, every block wholly before a sequence's last `window` positions. (Full-attention layers
     still read those blocks, so they stay allocated; a layer's pool pages there could be given back.)"""
-    per_layer_block = 2 * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
+    per_layer_block = kv_bytes_per_block(config, block_size, dtype) // config.num_layers
     windows = [w for w in map(config.layer_window, range(config.num_layers)) if w is not None]
     return per_layer_block * sum(max(n - w, 0) // block_size for w in windows for n in num_tokens)
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tokenloop.models.layers import ACTIVATIONS
+
 LAYER_TYPES = ("sliding_attention", "full_attention")
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(slots=True)
@@ -48,7 +49,7 @@ class ModelConfig:
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise ValueError("model config: layer_types has sliding_attention layers but sliding_window is not set")
         if self.hidden_activation not in ACTIVATIONS:
-            raise ValueError(f"model config: hidden_activation must be one of {ACTIVATIONS}, got {self.hidden_activation!r}")
+            raise ValueError(f"model config: hidden_activation must be one of {tuple(ACTIVATIONS)}, got {self.hidden_activation!r}")
 
     def layer_window(self, layer: int) -> int | None:
         """How many positions layer `layer` attends back to (itself included); None: all of them."""

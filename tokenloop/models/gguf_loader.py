@@ -135,7 +135,7 @@ def iter_gguf_weights(
         if permute_qk and t.name.endswith((".attn_q.weight", ".attn_k.weight")):
             heads = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
             rows = torch.from_numpy(unpermute_rope_rows(np.arange(t.data.shape[0]), heads))
-        if keep_quantized and t.tensor_type in GGML_FORMATS and t.data.ndim == 2:
+        if keep_quantized and _kept_quantized(t):
             yield name, GGML_FORMATS[t.tensor_type].convert(t.data).rows(rows)
         else:
             yield name, dequantize_rows(t.data, t.tensor_type)[rows]
@@ -156,8 +156,12 @@ def dequantize_rows(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, ro
 
 def quantized_layouts(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, QuantLayout]:
     """Hugging Face name → layout of every tensor that iter_gguf_weights(keep_quantized=True) yields quantized."""
-    return {hf_name(t.name, config.architecture): GGML_FORMATS[t.tensor_type].layout for t in reader.tensors
-            if t.tensor_type in GGML_FORMATS and t.data.ndim == 2}
+    return {hf_name(t.name, config.architecture): GGML_FORMATS[t.tensor_type].layout for t in reader.tensors if _kept_quantized(t)}
+
+
+def _kept_quantized(t: gguf.ReaderTensor) -> bool:
+    """Whether the fast path keeps this tensor in its file's integers: a matrix of a type in GGML_FORMATS."""
+    return t.tensor_type in GGML_FORMATS and t.data.ndim == 2
 
 
 def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:

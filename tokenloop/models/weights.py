@@ -58,18 +58,15 @@ def use_quantized(model: nn.Module, layouts: dict[str, QuantLayout]) -> None:
     if config.tie_word_embeddings and embedding is not None and embedding.bits == 8:
         model.embed_tokens = Int8Embedding(config.vocab_size, config.hidden_size, embedding)
         model.tie_weights()
-    shards: dict[str, set[QuantLayout]] = {}
-    counts: dict[str, int] = {}
+    shards: dict[str, list[QuantLayout]] = {}  # decoder linear → the layouts of its checkpoint tensors
     for name, layout in layouts.items():
         target, _, _ = checkpoint_target(config, name)
         if target.startswith("layers.") and target.endswith(".weight"):
-            module_name = target.removesuffix(".weight")
-            shards.setdefault(module_name, set()).add(layout)
-            counts[module_name] = counts.get(module_name, 0) + 1
+            shards.setdefault(target.removesuffix(".weight"), []).append(layout)
     for module_name, kinds in shards.items():
         linear = model.get_submodule(module_name)
-        if len(kinds) == 1 and counts[module_name] == num_shards(module_name.split(".")[-1]):
-            (layout,) = kinds
+        if len(set(kinds)) == 1 and len(kinds) == num_shards(module_name.split(".")[-1]):
+            layout = kinds[0]
             cls = Int4Linear if layout.bits == 4 else Int8Linear
             parent, child = module_name.rsplit(".", 1)
             setattr(model.get_submodule(parent), child, cls(linear.in_features, linear.out_features, linear.bias is not None, layout))
