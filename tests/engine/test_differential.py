@@ -194,3 +194,17 @@ def test_forked_completions_and_beams_are_the_same_whatever_the_scheduling(tiny_
     if blocks:
         assert llm.llm_engine.scheduler.num_preemptions > 0
     assert all(b.ref_count == 0 for b in llm.llm_engine.block_manager.blocks)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix cache", "no prefix cache"])
+def test_sliding_window_layers_give_a_request_alone_the_tokens_it_gets_inside_a_batch_of_32(tiny_gemma3_folder, prefix_caching):
+    """Gemma 3's per-layer windows (8 tokens, the prompts cross several): batch composition, shared prefixes
+    and long prompt chunks (attended in window pieces) change no token."""
+    llm = make(tiny_gemma3_folder, enable_prefix_caching=prefix_caching)
+    batch = (PROMPTS * 6)[:32]
+    together = llm.generate(batch, PARAMS, use_tqdm=False)
+    alone = {p: llm.generate(p, PARAMS, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS}
+    assert [o.outputs[0].token_ids for o in together] == [alone[p] for p in batch]
+    window = llm.llm_engine.model_config.sliding_window
+    assert min(len(o.prompt_token_ids) for o in together) > window  # every prompt's prefill attends in window pieces
+    assert min(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in together) > 2 * window  # decodes cross windows
