@@ -5,6 +5,7 @@ with torch (equal up to float32 rounding), and close to the float32 product of t
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from tokenloop import kernels
-from tokenloop.models.quant import Int4Linear, Int4Tensor, Int8Embedding, Int8Tensor
+from tokenloop.models.quant import Int4Linear, Int4Tensor, Int8Embedding, Int8Linear, Int8Tensor, QuantLayout
 
 pytestmark = pytest.mark.skipif(kernels._unsupported_reason() is not None, reason=str(kernels._unsupported_reason()))
 
@@ -82,14 +83,34 @@ def test_q8_matmul_is_the_int8_activation_product(m, k, n):
     torch.testing.assert_close(y.double(), expected, atol=1e-5, rtol=1e-5)
 
 
+def random_q8(n: int, k: int, gen: torch.Generator, group: int = 32) -> Int8Linear:
+    """An Int8Linear with random int8 weights (-128 included) and a scale per `group` weights."""
+    linear = Int8Linear(k, n, bias=False, layout=QuantLayout(8, torch.float16 if group == 32 else torch.float32, group))
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
+    linear.load_rows(slice(None), Int8Tensor(q, (torch.rand(n, k // group, generator=gen) * 0.02).to(linear.layout.scale_dtype)))
+    return linear
+
+
+EAGER_ACTIVATIONS = {"silu": torch.nn.functional.silu, "gelu_pytorch_tanh": functools.partial(torch.nn.functional.gelu, approximate="tanh")}
+
+
+@pytest.mark.parametrize("activation", sorted(EAGER_ACTIVATIONS))
+@pytest.mark.parametrize("weights", ["q4", "q8", "q8 group 16"])
 @pytest.mark.parametrize("m,k,n", [(1, 64, 32), (5, 160, 33), (37, 1536, 64)])
-def test_q4_swiglu_matmul_is_q4_matmul_of_silu_gate_times_up(m, k, n):
+def test_gated_matmul_is_the_matmul_of_act_gate_times_up(m, k, n, weights, activation):
+    """A gated MLP's fused down projection takes act(gate) * up as eager computes it: the same floats."""
     gen = torch.Generator().manual_seed(m * k + n + 2)
-    linear, _ = random_q4(n, k, gen)
     gate_up = torch.randn(m, 2 * k, generator=gen) * 3
     gate, up = gate_up.chunk(2, dim=-1)
-    fused = torch.ops.tokenloop.q4_swiglu_matmul(gate_up, linear.qweight, linear.scales, linear.offsets)
-    assert torch.equal(fused, q4_matmul(torch.nn.functional.silu(gate) * up, linear))  # the same floats as eager
+    eager = EAGER_ACTIVATIONS[activation](gate) * up
+    if weights == "q4":
+        linear, _ = random_q4(n, k, gen)
+        fused = torch.ops.tokenloop.q4_gated_matmul(gate_up, linear.qweight, linear.scales, linear.offsets, activation)
+        assert torch.equal(fused, q4_matmul(eager, linear))
+    else:
+        linear = random_q8(n, k, gen, group=16 if weights.endswith("16") else 32)
+        fused = torch.ops.tokenloop.q8_gated_matmul(gate_up, linear.qweight, linear.scales, activation)
+        assert torch.equal(fused, torch.ops.tokenloop.q8_matmul(eager, linear.qweight, linear.scales))
 
 
 def test_bad_shapes_raise_a_clear_error():
@@ -110,20 +131,24 @@ def test_bad_shapes_raise_a_clear_error():
     with pytest.raises(RuntimeError, match="offsets must have shape"):
         torch.ops.tokenloop.q4_matmul(torch.randn(1, 64), packed, scale, offset[:, :1].contiguous())
     with pytest.raises(RuntimeError, match="K must be a multiple of 32, got 2K = 96"):
-        torch.ops.tokenloop.q4_swiglu_matmul(torch.randn(1, 96), packed, scale, offset)
+        torch.ops.tokenloop.q4_gated_matmul(torch.randn(1, 96), packed, scale, offset, "silu")
+    with pytest.raises(RuntimeError, match="activation must be 'silu' or 'gelu_pytorch_tanh', got 'relu'"):
+        torch.ops.tokenloop.q4_gated_matmul(torch.randn(1, 128), packed, scale, offset, "relu")
 
 
 def isa_outputs() -> list[torch.Tensor]:
-    """The three products on fixed random inputs (tiles of 1 to 4 rows, 4-bit and 8-bit weights)."""
+    """The products on fixed random inputs (tiles of 1 to 4 rows, 4-bit and 8-bit weights)."""
     gen = torch.Generator().manual_seed(7)
     linear, _ = random_q4(40, 192, gen)
     x, gate_up = torch.randn(7, 192, generator=gen), torch.randn(7, 384, generator=gen)
     head = Int8Embedding(40, 192)
     head.load_rows(slice(None), Int8Tensor(torch.randint(-128, 128, (40, 192), dtype=torch.int8, generator=gen), torch.rand(40, 6, generator=gen).half()))
+    q6k = random_q8(40, 192, gen, group=16)
     return [
         q4_matmul(x, linear),
-        torch.ops.tokenloop.q4_swiglu_matmul(gate_up, linear.qweight, linear.scales, linear.offsets),
+        torch.ops.tokenloop.q4_gated_matmul(gate_up, linear.qweight, linear.scales, linear.offsets, "gelu_pytorch_tanh"),
         torch.ops.tokenloop.q8_matmul(x, head.qweight, head.scales),
+        torch.ops.tokenloop.q8_gated_matmul(gate_up, q6k.qweight, q6k.scales, "silu"),
     ]
 
 

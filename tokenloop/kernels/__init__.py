@@ -39,7 +39,7 @@ HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # included by the sources: 
 # so that a kernel standing in for a chain of eager ops gives the same floats. FMAs are written out where wanted.
 CXX_FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-w"]
 # The library is built on the machine that runs it, so it may use what this CPU has beyond AVX2: AVX512-VNNI's
-# byte dot products (on 256-bit vectors, hence VL), a third less prefill time. Same results either way.
+# byte dot products, on 512-bit vectors (two groups of weight rows at once) and 256-bit ones (VL). Same results.
 VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
 
 

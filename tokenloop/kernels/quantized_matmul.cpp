@@ -27,6 +27,7 @@
 #include "parallel.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -52,13 +53,24 @@ struct Activations {
   const int8_t* q;
   const float* scale;
   const float* sum;
+  const int32_t* half_sums;  // per block, sum(q) over weights 0..15 and over 16..31: the q8 kernel's correction
   int64_t k, groups;
+
+  // The rows from r on.
+  Activations from_row(int64_t r) const { return {q + r * k, scale + r * groups, sum + r * groups, half_sums + 2 * r * groups, k, groups}; }
 };
 
 // One block of 32: q = round-half-even(v * 127 / amax) (the rounding of std::nearbyint, vectorized), scale
-// amax / 127, and scale * sum(q). Eight lanes at a time: done one value at a time, this was a fifth of the
-// kernel's time at 32 rows.
-inline void quantize_block(const float* v, int8_t* q, float* scale, float* sum) {
+// amax / 127, scale * sum(q), and the integer sums of q's two halves. Eight lanes at a time: done one value at a
+// time, this was a fifth of the kernel's time at 32 rows.
+inline int32_t lane_sum(__m256i v) {
+  __m128i total4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  total4 = _mm_add_epi32(total4, _mm_shuffle_epi32(total4, _MM_SHUFFLE(1, 0, 3, 2)));
+  total4 = _mm_add_epi32(total4, _mm_shuffle_epi32(total4, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(total4);
+}
+
+inline void quantize_block(const float* v, int8_t* q, float* scale, float* sum, int32_t* half_sums) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 x[4];
   __m256 amax8 = _mm256_setzero_ps();
@@ -75,49 +87,62 @@ inline void quantize_block(const float* v, int8_t* q, float* scale, float* sum) 
   // Packing works within 128-bit lanes; the permutation puts the 32 bytes back in order.
   const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-  const __m256i total8 = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
-  __m128i total4 = _mm_add_epi32(_mm256_castsi256_si128(total8), _mm256_extracti128_si256(total8, 1));
-  total4 = _mm_add_epi32(total4, _mm_shuffle_epi32(total4, _MM_SHUFFLE(1, 0, 3, 2)));
-  total4 = _mm_add_epi32(total4, _mm_shuffle_epi32(total4, _MM_SHUFFLE(2, 3, 0, 1)));
+  half_sums[0] = lane_sum(_mm256_add_epi32(i[0], i[1]));
+  half_sums[1] = lane_sum(_mm256_add_epi32(i[2], i[3]));
   *scale = amax / 127.f;
-  *sum = *scale * static_cast<float>(_mm_cvtsi128_si32(total4));
+  *sum = *scale * static_cast<float>(half_sums[0] + half_sums[1]);
 }
 
-// The SwiGLU down projection's activations, silu(gate) * up, for one block of 32 of each: the same float ops as
-// eager F.silu(gate) * up (same results), computed as the block is quantized. Apart, they are two more passes
-// over an [M, K] tensor and a copy of it: at 2,048 prompt tokens, about 6% of a step.
-inline void swiglu_block(const float* gate, const float* up, float* out) {
+// A gated MLP's down projection takes act(gate) * up. Computed block by block as it is quantized, instead of two
+// more passes over an [M, K] tensor and a copy of it (at 2,048 prompt tokens, about 6% of a step). Each is the
+// same float ops as the eager one (F.silu; F.gelu(approximate="tanh") as ATen vectorizes it), so the same results.
+enum class Gate { kNone, kSiLU, kGeluTanh };
+
+template <Gate kGate>
+inline void gated_block(const float* gate, const float* up, float* out) {
   using Vec = at::vec::Vectorized<float>;
   for (int64_t i = 0; i < kBlock; i += Vec::size()) {
     const Vec g = Vec::loadu(gate + i);
-    ((g / (Vec(1.f) + g.neg().exp())) * Vec::loadu(up + i)).store(out + i);
+    Vec act;
+    if constexpr (kGate == Gate::kSiLU) {
+      act = g / (Vec(1.f) + g.neg().exp());
+    } else {
+      // x + kappa x^3 as one FMA: ATen's build lets gcc contract it (this library's -ffp-contract=off does not).
+      const Vec inner = Vec(static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5)) * at::vec::fmadd(Vec(0.044715f), g * g * g, g);
+      act = Vec(0.5f) * g * (Vec(1.f) + inner.tanh());
+    }
+    (act * Vec::loadu(up + i)).store(out + i);
   }
 }
 
-// x [M, K] float32, or with kSwiGLU x = [gate | up] [M, 2K] and the activations silu(gate) * up.
-template <bool kSwiGLU>
+// x [M, K] float32, or with a gate x = [gate | up] [M, 2K] and the activations act(gate) * up.
+template <Gate kGate>
 Activations quantize_rows(const at::Tensor& x) {
-  const int64_t m = x.size(0), k = x.size(1) / (kSwiGLU ? 2 : 1), groups = k / kBlock;
+  constexpr bool kGated = kGate != Gate::kNone;
+  const int64_t m = x.size(0), k = x.size(1) / (kGated ? 2 : 1), groups = k / kBlock;
   thread_local std::vector<int8_t> q_buffer;
   thread_local std::vector<float> scale_buffer;
+  thread_local std::vector<int32_t> sum_buffer;
   q_buffer.resize(m * k);
   scale_buffer.resize(2 * m * groups);
+  sum_buffer.resize(2 * m * groups);
   const float* xp = x.data_ptr<float>();
   int8_t* qp = q_buffer.data();
   float* sp = scale_buffer.data();
   float* up = sp + m * groups;
+  int32_t* hp = sum_buffer.data();
   parallel_chunks(m * groups, chunk_size(m * groups, 64), [&](int64_t begin, int64_t end) {
-    alignas(32) float swiglu[kBlock];
+    alignas(32) float gated[kBlock];
     for (int64_t b = begin; b < end; ++b) {
       const float* v = xp + (b / groups) * x.size(1) + (b % groups) * kBlock;
-      if constexpr (kSwiGLU) {
-        swiglu_block(v, v + k, swiglu);
-        v = swiglu;
+      if constexpr (kGated) {
+        gated_block<kGate>(v, v + k, gated);
+        v = gated;
       }
-      quantize_block(v, qp + b * kBlock, sp + b, up + b);
+      quantize_block(v, qp + b * kBlock, sp + b, up + b, hp + 2 * b);
     }
   });
-  return {qp, sp, up, k, groups};
+  return {qp, sp, up, hp, k, groups};
 }
 
 // 8 scales (or offsets) as floats, from float16 or float32 storage.
@@ -130,34 +155,112 @@ inline void prefetch_ahead(const void* block, int64_t bytes) {
   for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
 }
 
-inline __m256i broadcast_4_bytes(const int8_t* p) {
+inline int32_t four_bytes(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
+  return v;
 }
+
+inline __m256i load_bytes(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+// The vectors the kernels are written over: one lane per weight row, 8 lanes (one group of interleaved rows,
+// AVX2) or 16 (two groups side by side, AVX-512). The products are the same integers and floats either way;
+// AVX-512's vpdpbusd on 16 lanes does 64 byte multiply-adds where the 8-lane one does 32, and this CPU (AMD
+// Zen 4) runs about 1.4 times as many a second that way (measured: 450 against 315 GMAC/s on 2 cores), with half
+// the activation broadcasts.
+struct Lanes8 {
+  using Int = __m256i;
+  using Float = __m256;
+  static constexpr int kRowGroups = 1;
+  // 32 bytes of a row group's block; `stride` (the next row group's) is unused.
+  static Int load(const void* p, int64_t) { return load_bytes(p); }
+  static Int broadcast(int32_t v) { return _mm256_set1_epi32(v); }
+  static Int broadcast_bytes(char v) { return _mm256_set1_epi8(v); }
+  static Int zeros() { return _mm256_setzero_si256(); }
+  static Int bit_and(Int a, Int b) { return _mm256_and_si256(a, b); }
+  static Int bit_xor(Int a, Int b) { return _mm256_xor_si256(a, b); }
+  static Int shift_right_4(Int a) { return _mm256_srli_epi16(a, 4); }
+  static Int add32(Int a, Int b) { return _mm256_add_epi32(a, b); }
+  static Int sub32(Int a, Int b) { return _mm256_sub_epi32(a, b); }
+  static Float to_float(Int a) { return _mm256_cvtepi32_ps(a); }
+  static Float splat(float v) { return _mm256_set1_ps(v); }
+  static Float zero_floats() { return _mm256_setzero_ps(); }
+  static Float fmadd(Float a, Float b, Float c) { return _mm256_fmadd_ps(a, b, c); }
+  static Float mul(Float a, Float b) { return _mm256_mul_ps(a, b); }
+  template <typename Scale>
+  static Float scales(const Scale* p, int64_t) { return load_scales(p); }
+  static void store(float* y, Float v) { _mm256_storeu_ps(y, v); }
+#ifdef __AVX512VNNI__
+  static Int dpbusd(Int acc, Int u, Int s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#endif
+};
+
+#ifdef __AVX512VNNI__
+struct Lanes16 {
+  using Int = __m512i;
+  using Float = __m512;
+  static constexpr int kRowGroups = 2;
+  // 32 bytes of a row group's block, then the same 32 bytes of the next row group's (`stride` bytes on).
+  static Int load(const void* p, int64_t stride) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(load_bytes(p)), load_bytes(static_cast<const char*>(p) + stride), 1);
+  }
+  static Int broadcast(int32_t v) { return _mm512_set1_epi32(v); }
+  static Int broadcast_bytes(char v) { return _mm512_set1_epi8(v); }
+  static Int zeros() { return _mm512_setzero_si512(); }
+  static Int bit_and(Int a, Int b) { return _mm512_and_si512(a, b); }
+  static Int bit_xor(Int a, Int b) { return _mm512_xor_si512(a, b); }
+  static Int shift_right_4(Int a) { return _mm512_srli_epi16(a, 4); }
+  static Int add32(Int a, Int b) { return _mm512_add_epi32(a, b); }
+  static Int sub32(Int a, Int b) { return _mm512_sub_epi32(a, b); }
+  static Float to_float(Int a) { return _mm512_cvtepi32_ps(a); }
+  static Float splat(float v) { return _mm512_set1_ps(v); }
+  static Float zero_floats() { return _mm512_setzero_ps(); }
+  static Float fmadd(Float a, Float b, Float c) { return _mm512_fmadd_ps(a, b, c); }
+  static Float mul(Float a, Float b) { return _mm512_mul_ps(a, b); }
+  template <typename Scale>
+  static Float scales(const Scale* p, int64_t stride) {
+    const __m512d low = _mm512_castps_pd(_mm512_castps256_ps512(load_scales(p)));  // (AVX512F has no 8-float insert)
+    return _mm512_castpd_ps(_mm512_insertf64x4(low, _mm256_castps_pd(load_scales(p + stride)), 1));
+  }
+  static void store(float* y, Float v) { _mm512_storeu_ps(y, v); }
+  static Int dpbusd(Int acc, Int u, Int s) { return _mm512_dpbusd_epi32(acc, u, s); }
+};
+#endif
 
 // A block's integer dot products for one activation row, one int32 per lane (pairs of unsigned × signed bytes,
 // summed exactly: no pair can saturate). AVX512-VNNI's vpdpbusd multiplies and sums 4 byte pairs into an int32
 // lane in one instruction, where AVX2 needs vpmaddubsw, a widening vpmaddwd and an add: at 32 rows and more the
-// kernel is bound by these instructions, not by memory, and VNNI takes a fifth off q4's time and a third off
-// q8's. The same integers either way, so the same floats.
+// kernel is bound by these instructions, not by memory. The same integers either way, so the same floats.
 #ifdef __AVX512VNNI__
+template <typename V>
 struct Q4Dot {
   // Two accumulators, so that consecutive vpdpbusd (latency 4) do not wait for each other.
-  __m256i low = _mm256_setzero_si256(), high = _mm256_setzero_si256();
-  void add(__m256i w_low, __m256i x_low, __m256i w_high, __m256i x_high) {
-    low = _mm256_dpbusd_epi32(low, w_low, x_low), high = _mm256_dpbusd_epi32(high, w_high, x_high);
+  typename V::Int low = V::zeros(), high = V::zeros();
+  void add(typename V::Int w_low, typename V::Int x_low, typename V::Int w_high, typename V::Int x_high) {
+    low = V::dpbusd(low, w_low, x_low), high = V::dpbusd(high, w_high, x_high);
   }
-  __m256 floats() const { return _mm256_cvtepi32_ps(_mm256_add_epi32(low, high)); }
+  typename V::Float floats() const { return V::to_float(V::add32(low, high)); }
 };
+// q8's signed weights go in as unsigned bytes u = w + 128 (w xor 0x80): sum u x = sum w x + 128 sum x, and the
+// second term, from the activations' own integer sums, comes off once per sub-block. Moving w's sign onto x
+// instead (as AVX2 must, below) costs a vpsignb per activation row and chunk: q8 ran a third slower than q4
+// per weight, bound by those instructions.
+template <typename V>
+struct Q8Weights {
+  typename V::Int u;
+  explicit Q8Weights(typename V::Int w) : u(V::bit_xor(w, V::broadcast_bytes(static_cast<char>(0x80)))) {}
+};
+template <typename V>
 struct Q8Dot {
-  __m256i sum = _mm256_setzero_si256();
-  void add(__m256i w, __m256i x) { sum = _mm256_dpbusd_epi32(sum, w, x); }
-  __m256 floats() const { return _mm256_cvtepi32_ps(sum); }
+  typename V::Int sum = V::zeros();
+  void add(const Q8Weights<V>& w, typename V::Int x) { sum = V::dpbusd(sum, w.u, x); }
+  typename V::Float floats(int32_t x_sum) const { return V::to_float(V::sub32(sum, V::broadcast(128 * x_sum))); }
 };
+using Lanes = Lanes16;
 #else
 inline __m256i widen_pairs(__m256i int16) { return _mm256_madd_epi16(int16, _mm256_set1_epi16(1)); }
 // A block's 8 products per lane fit int16 (8 * 2 * 15 * 127 < 32767): summed there, widened once per block.
+template <typename V>
 struct Q4Dot {
   __m256i sum = _mm256_setzero_si256();
   void add(__m256i w_low, __m256i x_low, __m256i w_high, __m256i x_high) {
@@ -165,52 +268,99 @@ struct Q4Dot {
   }
   __m256 floats() const { return _mm256_cvtepi32_ps(widen_pairs(sum)); }
 };
-// q8's pairs can reach 2 * 128 * 127: widened every chunk.
+// vpmaddubsw's pairs of (w + 128) x could saturate int16, so w's sign moves onto x: |w| x sign(w), pairs up to
+// 2 * 128 * 127, widened every chunk.
+template <typename V>
+struct Q8Weights {
+  __m256i abs, sign;
+  explicit Q8Weights(__m256i w) : abs(_mm256_sign_epi8(w, w)), sign(w) {}
+};
+template <typename V>
 struct Q8Dot {
   __m256i sum = _mm256_setzero_si256();
-  void add(__m256i w, __m256i x) { sum = _mm256_add_epi32(sum, widen_pairs(_mm256_maddubs_epi16(w, x))); }
-  __m256 floats() const { return _mm256_cvtepi32_ps(sum); }
+  void add(const Q8Weights<V>& w, __m256i x) { sum = _mm256_add_epi32(sum, widen_pairs(_mm256_maddubs_epi16(w.abs, _mm256_sign_epi8(x, w.sign)))); }
+  __m256 floats(int32_t) const { return _mm256_cvtepi32_ps(sum); }
 };
+using Lanes = Lanes8;
 #endif
 
-// q4: kRows activation rows against one group of 8 interleaved weight rows (see the layout above), 8 outputs
-// per activation row. One multiply-add multiplies 4 weights of each of the 8 rows by the same 4 activations,
-// so its lanes are already per weight row: no horizontal sums, and each weight byte is unpacked once for all
-// kRows rows.
-template <int kRows, typename Scale>
-void q4_rows(const Activations& x, const uint8_t* weight, const Scale* scale, const Scale* offset, float* y, int64_t y_stride) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  __m256 acc[kRows];
-  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
+// Where a tile's weights are: V::kRowGroups row groups from `weight` on, each `stride` bytes (and scales)
+// after the one before.
+template <typename Scale>
+struct RowGroups {
+  const void* weight;
+  int64_t stride;
+  const Scale* scale;
+  const Scale* offset;  // q4 only
+  int64_t scale_stride;
+};
+
+// q4: kRows activation rows against V::kRowGroups groups of 8 interleaved weight rows (see the layout above), 8
+// outputs per row group and activation row. One multiply-add multiplies 4 weights of each weight row by the
+// same 4 activations, so its lanes are already per weight row: no horizontal sums, and each weight byte is
+// unpacked once for all kRows rows.
+template <typename V, int kRows, typename Scale>
+void q4_rows(const Activations& x, const RowGroups<Scale>& w, float* y, int64_t y_stride) {
+  const typename V::Int low4 = V::broadcast_bytes(0x0F);
+  typename V::Float acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = V::zero_floats();
   for (int64_t g = 0; g < x.groups; ++g) {
-    const uint8_t* wb = weight + g * kQ4GroupBytes;
-    prefetch_ahead(wb, kQ4GroupBytes);
-    Q4Dot dot[kRows];
+    const uint8_t* wb = static_cast<const uint8_t*>(w.weight) + g * kQ4GroupBytes;
+    for (int i = 0; i < V::kRowGroups; ++i) prefetch_ahead(wb + i * w.stride, kQ4GroupBytes);
+    Q4Dot<V> dot[kRows];
     // Not unrolled: unrolled, gcc computes all 32 products of a 4-row tile before summing any and spills them.
 #pragma GCC unroll 1
     for (int p = 0; p < 4; ++p) {
-      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * p));
-      const __m256i low = _mm256_and_si256(packed, low4);                         // weights 4p .. 4p+3
-      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);  // weights 16+4p .. 16+4p+3
+      const typename V::Int packed = V::load(wb + 32 * p, w.stride);
+      const typename V::Int low = V::bit_and(packed, low4);                      // weights 4p .. 4p+3
+      const typename V::Int high = V::bit_and(V::shift_right_4(packed), low4);  // weights 16+4p .. 16+4p+3
       for (int r = 0; r < kRows; ++r) {
         const int8_t* xb = x.q + r * x.k + g * kBlock;
-        dot[r].add(low, broadcast_4_bytes(xb + 4 * p), high, broadcast_4_bytes(xb + 16 + 4 * p));
+        dot[r].add(low, V::broadcast(four_bytes(xb + 4 * p)), high, V::broadcast(four_bytes(xb + 16 + 4 * p)));
       }
     }
-    const __m256 d = load_scales(scale + g * 8), m = load_scales(offset + g * 8);
+    const typename V::Float d = V::scales(w.scale + g * 8, w.scale_stride), m = V::scales(w.offset + g * 8, w.scale_stride);
     for (int r = 0; r < kRows; ++r) {
-      acc[r] = _mm256_fmadd_ps(dot[r].floats(), _mm256_mul_ps(d, _mm256_set1_ps(x.scale[r * x.groups + g])), acc[r]);
-      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.sum[r * x.groups + g]), acc[r]);
+      acc[r] = V::fmadd(dot[r].floats(), V::mul(d, V::splat(x.scale[r * x.groups + g])), acc[r]);
+      acc[r] = V::fmadd(m, V::splat(x.sum[r * x.groups + g]), acc[r]);
     }
   }
-  for (int r = 0; r < kRows; ++r) _mm256_storeu_ps(y + r * y_stride, acc[r]);
+  for (int r = 0; r < kRows; ++r) V::store(y + r * y_stride, acc[r]);
+}
+
+// q8: as q4, with 8 chunks of signed bytes per block (taken as Q8Weights: the multiply-adds take unsigned by
+// signed bytes). kSubBlocks scales per block: 1, or 2 (chunks 0..3 are weights 0..15, chunks 4..7 weights
+// 16..31, each half with its own scale).
+template <typename V, int kRows, typename Scale, int kSubBlocks>
+void q8_rows(const Activations& x, const RowGroups<Scale>& w, float* y, int64_t y_stride) {
+  constexpr int kChunks = 8 / kSubBlocks;
+  typename V::Float acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = V::zero_floats();
+  for (int64_t g = 0; g < x.groups; ++g) {
+    const int8_t* wb = static_cast<const int8_t*>(w.weight) + g * kQ8GroupBytes;
+    for (int i = 0; i < V::kRowGroups; ++i) prefetch_ahead(wb + i * w.stride, kQ8GroupBytes);
+    for (int sub = 0; sub < kSubBlocks; ++sub) {
+      Q8Dot<V> dot[kRows];
+      for (int c = sub * kChunks; c < (sub + 1) * kChunks; ++c) {
+        const Q8Weights<V> weights(V::load(wb + 32 * c, w.stride));
+        for (int r = 0; r < kRows; ++r) dot[r].add(weights, V::broadcast(four_bytes(x.q + r * x.k + g * kBlock + 4 * c)));
+      }
+      const typename V::Float d = V::scales(w.scale + (g * kSubBlocks + sub) * 8, w.scale_stride);
+      for (int r = 0; r < kRows; ++r) {
+        const int32_t* half = x.half_sums + 2 * (r * x.groups + g);
+        const int32_t x_sum = kSubBlocks == 2 ? half[sub] : half[0] + half[1];
+        acc[r] = V::fmadd(dot[r].floats(x_sum), V::mul(d, V::splat(x.scale[r * x.groups + g])), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) V::store(y + r * y_stride, acc[r]);
 }
 
 // Calls rows(x tile, first row, kRows) for tiles of up to 4 activation rows.
 template <typename Fn>
 inline void for_row_tiles(const Activations& x, int64_t m, Fn&& rows) {
   for (int64_t r = 0; r < m;) {
-    const Activations tile{x.q + r * x.k, x.scale + r * x.groups, x.sum + r * x.groups, x.k, x.groups};
+    const Activations tile = x.from_row(r);
     switch (std::min<int64_t>(m - r, 4)) {
       case 4: rows(tile, r, std::integral_constant<int, 4>{}); r += 4; break;
       case 3: rows(tile, r, std::integral_constant<int, 3>{}); r += 3; break;
@@ -220,49 +370,28 @@ inline void for_row_tiles(const Activations& x, int64_t m, Fn&& rows) {
   }
 }
 
-// q8: as q4, with 8 chunks of signed bytes per block. The multiply-adds take unsigned by signed bytes, so w's
-// sign moves onto x (pairs up to 2 * 128 * 127). kSubBlocks scales per block: 1, or 2 (chunks 0..3 are weights
-// 0..15, chunks 4..7 weights 16..31, each half with its own scale).
-template <int kRows, typename Scale, int kSubBlocks>
-void q8_rows(const Activations& x, const int8_t* weight, const Scale* scale, float* y, int64_t y_stride) {
-  constexpr int kChunks = 8 / kSubBlocks;
-  __m256 acc[kRows];
-  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < x.groups; ++g) {
-    const int8_t* wb = weight + g * kQ8GroupBytes;
-    prefetch_ahead(wb, kQ8GroupBytes);
-    for (int sub = 0; sub < kSubBlocks; ++sub) {
-      Q8Dot dot[kRows];
-      for (int c = sub * kChunks; c < (sub + 1) * kChunks; ++c) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
-        const __m256i w_abs = _mm256_sign_epi8(w, w);
-        for (int r = 0; r < kRows; ++r) dot[r].add(w_abs, _mm256_sign_epi8(broadcast_4_bytes(x.q + r * x.k + g * kBlock + 4 * c), w));
-      }
-      const __m256 d = load_scales(scale + (g * kSubBlocks + sub) * 8);
-      for (int r = 0; r < kRows; ++r) acc[r] = _mm256_fmadd_ps(dot[r].floats(), _mm256_mul_ps(d, _mm256_set1_ps(x.scale[r * x.groups + g])), acc[r]);
-    }
-  }
-  for (int r = 0; r < kRows; ++r) _mm256_storeu_ps(y + r * y_stride, acc[r]);
-}
-
-// y [m, row_groups * 8] = x W^T, in parallel over chunks of groups of 8 weight rows, each against every activation row.
-// Activation rows go in blocks of about 16 KiB, each block against all of a chunk's weight rows, so that
-// the block stays in L1 while the weights stream through (prefill: about 9% less time at 1,024 rows).
+// y [m, row_groups * 8] = x W^T, in parallel over chunks of row groups, each against every activation row:
+// rows(lanes, tile, first row group, kRows, out, n) with lanes Lanes (two row groups at once, where built with
+// AVX-512) or Lanes8 (the odd last one). Activation rows go in blocks of about 16 KiB, each block against all of
+// a chunk's weight rows, so that the block stays in L1 while the weights stream through (prefill: about 9% less
+// time at 1,024 rows).
 template <typename Rows>
 void matmul_row_groups(const Activations& x, int64_t m, int64_t row_groups, float* y, Rows&& rows) {
-  const int64_t n = row_groups * 8;
+  constexpr int64_t kStep = Lanes::kRowGroups;
+  const int64_t n = row_groups * 8, units = (row_groups + kStep - 1) / kStep;
   const int64_t block_rows = std::max<int64_t>(4, 16384 / x.k / 4 * 4);
-  parallel_chunks(row_groups, chunk_size(row_groups, 4), [&](int64_t begin, int64_t end) {
+  parallel_chunks(units, chunk_size(units, 4 / kStep), [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < m; r0 += block_rows) {
-      const Activations block{x.q + r0 * x.k, x.scale + r0 * x.groups, x.sum + r0 * x.groups, x.k, x.groups};
-      for (int64_t rg = begin; rg < end; ++rg)
+      const Activations block = x.from_row(r0);
+      for (int64_t rg = begin * kStep; rg < std::min(end * kStep, row_groups); rg += kStep)
         for_row_tiles(block, std::min(block_rows, m - r0), [&](const Activations& tile, int64_t r, auto k_rows) {
-          rows(tile, rg, k_rows, y + (r0 + r) * n + rg * 8, n);
+          float* out = y + (r0 + r) * n + rg * 8;
+          if (rg + kStep <= row_groups) rows(Lanes{}, tile, rg, k_rows, out, n);
+          else rows(Lanes8{}, tile, rg, k_rows, out, n);
         });
     }
   });
 }
-
 
 // Returns K: x is [M, K], or [M, 2K] for the SwiGLU product.
 int64_t check_activations(const at::Tensor& x, bool swiglu = false) {
@@ -294,53 +423,73 @@ void with_scale_type(const at::Tensor& scale, Fn&& fn) {
   else fn(float{});
 }
 
-template <bool kSwiGLU>
+template <Gate kGate>
 at::Tensor q4_product(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& offset) {
-  const int64_t groups = check_activations(x, kSwiGLU) / kBlock;
+  const int64_t groups = check_activations(x, kGate != Gate::kNone) / kBlock;
   check_weight(weight, groups * kBlock, at::kByte, "uint8", kQ4GroupBytes);
   check_scales(scale, {weight.size(0), groups, 8}, "scales", scale.scalar_type());
   check_scales(offset, {weight.size(0), groups, 8}, "offsets", scale.scalar_type());
   at::Tensor y = at::empty({x.size(0), weight.size(0) * 8}, x.options());
   const uint8_t* w = weight.data_ptr<uint8_t>();
-  const Activations activations = quantize_rows<kSwiGLU>(x);
+  const Activations activations = quantize_rows<kGate>(x);
   with_scale_type(scale, [&](auto type) {
     using Scale = decltype(type);
     const Scale *s = scale.data_ptr<Scale>(), *o = offset.data_ptr<Scale>();
-    matmul_row_groups(activations, x.size(0), weight.size(0), y.data_ptr<float>(), [&](const Activations& tile, int64_t rg, auto k_rows, float* out, int64_t n) {
-      q4_rows<decltype(k_rows)::value>(tile, w + rg * groups * kQ4GroupBytes, s + rg * groups * 8, o + rg * groups * 8, out, n);
+    matmul_row_groups(activations, x.size(0), weight.size(0), y.data_ptr<float>(), [&](auto lanes, const Activations& tile, int64_t rg, auto k_rows, float* out, int64_t n) {
+      const RowGroups<Scale> at{w + rg * groups * kQ4GroupBytes, groups * kQ4GroupBytes, s + rg * groups * 8, o + rg * groups * 8, groups * 8};
+      q4_rows<decltype(lanes), decltype(k_rows)::value>(tile, at, out, n);
     });
   });
   return y;
 }
 
-at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& offset) {
-  return q4_product<false>(x, weight, scale, offset);
-}
-
-// (silu(gate) * up) W^T for gate_up = [gate | up] [M, 2K]: a SwiGLU MLP's down projection.
-at::Tensor q4_swiglu_matmul(const at::Tensor& gate_up, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& offset) {
-  return q4_product<true>(gate_up, weight, scale, offset);
-}
-
-at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
-  const int64_t groups = check_activations(x) / kBlock;
+template <Gate kGate>
+at::Tensor q8_product(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
+  const int64_t groups = check_activations(x, kGate != Gate::kNone) / kBlock;
   check_weight(weight, groups * kBlock, at::kChar, "int8", kQ8GroupBytes);
   TORCH_CHECK(scale.dim() == 3 && (scale.size(2) == 8 || scale.size(2) == 16), "scales must be [N / 8, K / 32, 8 or 16]");
   const int64_t per_group = scale.size(2);  // 8 rows' scales, once or twice (a scale per 16 weights)
   check_scales(scale, {weight.size(0), groups, per_group}, "scales", scale.scalar_type());
   at::Tensor y = at::empty({x.size(0), weight.size(0) * 8}, x.options());
   const int8_t* w = weight.data_ptr<int8_t>();
-  const Activations activations = quantize_rows<false>(x);
+  const Activations activations = quantize_rows<kGate>(x);
   with_scale_type(scale, [&](auto type) {
     using Scale = decltype(type);
     const Scale* s = scale.data_ptr<Scale>();
-    matmul_row_groups(activations, x.size(0), weight.size(0), y.data_ptr<float>(), [&](const Activations& tile, int64_t rg, auto k_rows, float* out, int64_t n) {
+    matmul_row_groups(activations, x.size(0), weight.size(0), y.data_ptr<float>(), [&](auto lanes, const Activations& tile, int64_t rg, auto k_rows, float* out, int64_t n) {
+      using V = decltype(lanes);
       constexpr int kRows = decltype(k_rows)::value;
-      if (per_group == 16) q8_rows<kRows, Scale, 2>(tile, w + rg * groups * kQ8GroupBytes, s + rg * groups * 16, out, n);
-      else q8_rows<kRows, Scale, 1>(tile, w + rg * groups * kQ8GroupBytes, s + rg * groups * 8, out, n);
+      const RowGroups<Scale> at{w + rg * groups * kQ8GroupBytes, groups * kQ8GroupBytes, s + rg * groups * per_group, nullptr, groups * per_group};
+      if (per_group == 16) q8_rows<V, kRows, Scale, 2>(tile, at, out, n);
+      else q8_rows<V, kRows, Scale, 1>(tile, at, out, n);
     });
   });
   return y;
+}
+
+at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& offset) {
+  return q4_product<Gate::kNone>(x, weight, scale, offset);
+}
+
+at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
+  return q8_product<Gate::kNone>(x, weight, scale);
+}
+
+// Calls fn(std::integral_constant<Gate, ...>) for a gated MLP's activation, named as the model configs name it.
+template <typename Fn>
+at::Tensor with_gate(c10::string_view activation, Fn&& fn) {
+  if (activation == "silu") return fn(std::integral_constant<Gate, Gate::kSiLU>{});
+  if (activation == "gelu_pytorch_tanh") return fn(std::integral_constant<Gate, Gate::kGeluTanh>{});
+  TORCH_CHECK(false, "activation must be 'silu' or 'gelu_pytorch_tanh', got '", activation, "'");
+}
+
+// (act(gate) * up) W^T for gate_up = [gate | up] [M, 2K]: a gated MLP's down projection.
+at::Tensor q4_gated_matmul(const at::Tensor& gate_up, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& offset, c10::string_view activation) {
+  return with_gate(activation, [&](auto gate) { return q4_product<decltype(gate)::value>(gate_up, weight, scale, offset); });
+}
+
+at::Tensor q8_gated_matmul(const at::Tensor& gate_up, const at::Tensor& weight, const at::Tensor& scale, c10::string_view activation) {
+  return with_gate(activation, [&](auto gate) { return q8_product<decltype(gate)::value>(gate_up, weight, scale); });
 }
 
 }  // namespace
@@ -348,11 +497,13 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Te
 TORCH_LIBRARY(tokenloop, m) {
   m.def("q4_matmul(Tensor x, Tensor weight, Tensor scale, Tensor offset) -> Tensor");
   m.def("q8_matmul(Tensor x, Tensor weight, Tensor scale) -> Tensor");
-  m.def("q4_swiglu_matmul(Tensor gate_up, Tensor weight, Tensor scale, Tensor offset) -> Tensor");
+  m.def("q4_gated_matmul(Tensor gate_up, Tensor weight, Tensor scale, Tensor offset, str activation) -> Tensor");
+  m.def("q8_gated_matmul(Tensor gate_up, Tensor weight, Tensor scale, str activation) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenloop, CPU, m) {
   m.impl("q4_matmul", &q4_matmul);
   m.impl("q8_matmul", &q8_matmul);
-  m.impl("q4_swiglu_matmul", &q4_swiglu_matmul);
+  m.impl("q4_gated_matmul", &q4_gated_matmul);
+  m.impl("q8_gated_matmul", &q8_gated_matmul);
 }

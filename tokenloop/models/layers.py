@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenloop.models.quant import Int4Linear, dense_linear
+from tokenloop.models.quant import QuantizedModule, dense_linear
 
 
 class Linear(nn.Linear):
@@ -97,9 +97,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        fused = self.activation == "silu" and isinstance(self.down_proj, Int4Linear) and self.down_proj.cpu_kernel
-        if fused and not torch.compiler.is_compiling():
-            return self.down_proj.swiglu_forward(gate_up)  # a compiled step leaves the product to inductor
+        if isinstance(self.down_proj, QuantizedModule) and self.down_proj.cpu_kernel and not torch.compiler.is_compiling():
+            return self.down_proj.gated_forward(gate_up, self.activation)  # a compiled step leaves the product to inductor
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(ACTIVATIONS[self.activation](gate) * up)
 

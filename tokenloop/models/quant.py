@@ -102,8 +102,9 @@ class QuantizedModule(nn.Module):
 
     cpu_kernel = False  # set by use_cpu_kernel once the weights are loaded
 
-    def __init__(self, rows: int, cols: int, block_bytes: int, qdtype: torch.dtype, offsets: bool, layout: QuantLayout) -> None:
+    def __init__(self, rows: int, cols: int, block_bytes: int, qdtype: torch.dtype, offsets: bool, layout: QuantLayout, bias: bool = False) -> None:
         super().__init__()
+        self.bias = nn.Parameter(torch.empty(rows)) if bias else None
         if cols % GROUP_SIZE:
             raise ValueError(f"{type(self).__name__} needs a row length divisible by {GROUP_SIZE}, got {cols}")
         self.rows, self.cols, self.block_bytes = rows, cols, block_bytes  # block_bytes: one row's 32 weights
@@ -160,14 +161,31 @@ class QuantizedModule(nn.Module):
         can run it."""
         self.cpu_kernel = self.qweight.device.type == "cpu" and kernels.cpu_kernels_available()
 
+    def _kernel_product(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+        """x W^T (+ b) through the kernel (cpu_kernel must be set) in x's dtype, or with an activation
+        (act(gate) * up) W^T (+ b) for x = [gate | up]."""
+        ops, xf = torch.ops.tokenloop, x.float().contiguous()
+        if self.offsets is None:
+            y = ops.q8_matmul(xf, self.qweight, self.scales) if activation is None else ops.q8_gated_matmul(xf, self.qweight, self.scales, activation)
+        else:
+            weights = (self.qweight, self.scales, self.offsets)
+            y = ops.q4_matmul(xf, *weights) if activation is None else ops.q4_gated_matmul(xf, *weights, activation)
+        y = self._drop_padding(y).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def gated_forward(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+        """forward(act(gate) * up) for gate_up = [gate | up], a gated MLP's down projection, through the CPU
+        kernel (cpu_kernel must be set): it computes the product block by block as it quantizes its input,
+        instead of in two more passes over it."""
+        return self._kernel_product(gate_up, activation)
+
 
 class Int4Linear(QuantizedModule):
     """y = x W^T (+ b) with W held as group-32 int4; loaded row block by row block (q/k/v, gate/up pack)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, layout: QuantLayout = QuantLayout(4, torch.float16)) -> None:
-        super().__init__(out_features, in_features, GROUP_SIZE // 2, torch.uint8, offsets=True, layout=layout)
+        super().__init__(out_features, in_features, GROUP_SIZE // 2, torch.uint8, offsets=True, layout=layout, bias=bias)
         self.in_features, self.out_features = in_features, out_features
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def load_rows(self, rows: slice, weight: Int4Tensor) -> None:
         q = weight.q.view(weight.q.shape[0], -1, 2, GROUP_SIZE // 2)  # [rows, groups, low/high, 16]
@@ -180,19 +198,8 @@ class Int4Linear(QuantizedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernel:
-            return self._kernel_product(torch.ops.tokenloop.q4_matmul, x)
+            return self._kernel_product(x)
         return F.linear(x, self.weight_int4().dequantize().to(x.dtype), self.bias)
-
-    def swiglu_forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """forward(silu(gate) * up) for gate_up = [gate | up], a SwiGLU MLP's down projection, through the CPU
-        kernel (cpu_kernel must be set): it computes the product block by block as it quantizes its input,
-        instead of in two more passes over it."""
-        return self._kernel_product(torch.ops.tokenloop.q4_swiglu_matmul, gate_up)
-
-    def _kernel_product(self, op, x: torch.Tensor) -> torch.Tensor:
-        """op(x, weights) (a q4 kernel op) in x's dtype, without the padding rows, plus the bias."""
-        y = self._drop_padding(op(x.float().contiguous(), self.qweight, self.scales, self.offsets)).to(x.dtype)
-        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int4 group {GROUP_SIZE}, {self.layout.scale_dtype} scales"
@@ -201,8 +208,8 @@ class Int4Linear(QuantizedModule):
 class Int8Weights(QuantizedModule):
     """Rows of int8 weights with a scale per group of 32 (or 16), multiplied by the q8 kernel."""
 
-    def __init__(self, rows: int, cols: int, layout: QuantLayout) -> None:
-        super().__init__(rows, cols, GROUP_SIZE, torch.int8, offsets=False, layout=layout)
+    def __init__(self, rows: int, cols: int, layout: QuantLayout, bias: bool = False) -> None:
+        super().__init__(rows, cols, GROUP_SIZE, torch.int8, offsets=False, layout=layout, bias=bias)
 
     def load_rows(self, rows: slice, weight: Int8Tensor) -> None:
         self._store_rows(rows, weight.q.view(weight.q.shape[0], -1, GROUP_SIZE), weight.scales, None)
@@ -212,23 +219,21 @@ class Int8Weights(QuantizedModule):
         return Int8Tensor(q.view(self.rows, self.cols), scales)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        """x W^T in x's dtype."""
+        """x W^T (+ b) in x's dtype."""
         if self.cpu_kernel:
-            return self._drop_padding(torch.ops.tokenloop.q8_matmul(x.float().contiguous(), self.qweight, self.scales)).to(x.dtype)
-        return F.linear(x, self.weight_int8().dequantize().to(x.dtype))
+            return self._kernel_product(x)
+        return F.linear(x, self.weight_int8().dequantize().to(x.dtype), self.bias)
 
 
 class Int8Linear(Int8Weights):
     """y = x W^T (+ b) with W held as int8 (GGUF Q8_0, Q5_0, Q6_K)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, layout: QuantLayout = QuantLayout(8, torch.float16)) -> None:
-        super().__init__(out_features, in_features, layout)
+        super().__init__(out_features, in_features, layout, bias)
         self.in_features, self.out_features = in_features, out_features
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.product(x)
-        return y if self.bias is None else y + self.bias
+        return self.product(x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8 group {self.layout.group}, {self.layout.scale_dtype} scales"
