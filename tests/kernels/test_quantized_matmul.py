@@ -113,6 +113,22 @@ def test_gated_matmul_is_the_matmul_of_act_gate_times_up(m, k, n, weights, activ
         assert torch.equal(fused, torch.ops.tokenloop.q8_matmul(eager, linear.qweight, linear.scales))
 
 
+@pytest.mark.parametrize("weights", ["q4", "q8"])
+def test_a_row_gets_the_same_floats_alone_and_among_many(weights):
+    """A few rows run on 8 lanes, many on 16 (where built with AVX-512): a sequence's logits must not depend on
+    how many others share its step. 33 rows: 16-lane tiles and a 1-row remainder; 7 output groups: an odd one."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(33, 256, generator=gen)
+    if weights == "q4":
+        linear, _ = random_q4(56, 256, gen)
+        product = lambda rows: q4_matmul(rows, linear)
+    else:
+        linear = random_q8(56, 256, gen, group=16)
+        product = lambda rows: torch.ops.tokenloop.q8_matmul(rows, linear.qweight, linear.scales)
+    many = product(x)
+    assert all(torch.equal(product(x[i : i + 1])[0], many[i]) for i in range(len(x)))
+
+
 def test_bad_shapes_raise_a_clear_error():
     linear, _ = random_q4(8, 64, torch.Generator().manual_seed(0))
     packed, scale, offset = linear.qweight, linear.scales, linear.offsets
