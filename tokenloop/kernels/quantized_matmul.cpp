@@ -404,12 +404,12 @@ void matmul_row_groups(const Activations& x, int64_t m, int64_t row_groups, floa
   else matmul_lanes<Lanes8>(x, m, row_groups, y, rows);
 }
 
-// Returns K: x is [M, K], or [M, 2K] for the SwiGLU product.
-int64_t check_activations(const at::Tensor& x, bool swiglu = false) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be a contiguous [M, ", swiglu ? "2K" : "K",
+// Returns K: x is [M, K], or [M, 2K] for a gated MLP's [gate | up].
+int64_t check_activations(const at::Tensor& x, bool gated = false) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be a contiguous [M, ", gated ? "2K" : "K",
               "] float32 tensor");
-  const int64_t k = x.size(1) / (swiglu ? 2 : 1);
-  TORCH_CHECK(k % kBlock == 0 && k * (swiglu ? 2 : 1) == x.size(1), "K must be a multiple of 32, got ", swiglu ? "2K = " : "", x.size(1));
+  const int64_t k = x.size(1) / (gated ? 2 : 1);
+  TORCH_CHECK(k % kBlock == 0 && k * (gated ? 2 : 1) == x.size(1), "K must be a multiple of 32, got ", gated ? "2K = " : "", x.size(1));
   return k;
 }
 
