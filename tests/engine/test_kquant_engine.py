@@ -31,7 +31,7 @@ from tests.helpers import write_tiny_tokenizer
 from tests.models.test_ggml_types import random_blocks
 from tokenloop import LLM, SamplingParams
 from tokenloop.kernels import cpu_kernels_available
-from tokenloop.models.quant import Int4Linear, Int8Embedding, Int8Linear, QuantLayout
+from tokenloop.models.quant import Int4Linear, Int5Linear, Int8Embedding, Int8Linear, QuantLayout
 from tokenloop.outputs import CompletionOutput, Logprob
 
 Q = gguf.GGMLQuantizationType
@@ -162,13 +162,15 @@ def alone(fast) -> list[CompletionOutput]:
 
 
 def test_every_matrix_stays_in_its_files_integers_with_the_float32_paths_weights(fast, exact):
-    q5_0_or_q8_0, q4_k, q6_k = QuantLayout(8, torch.float16), QuantLayout(4, torch.float32), QuantLayout(8, torch.float32, group=16)
+    q5_0, q8_0 = (Int5Linear, QuantLayout(5, torch.float16)), (Int8Linear, QuantLayout(8, torch.float16))
+    q4_k, q6_k = QuantLayout(4, torch.float32), QuantLayout(8, torch.float32, group=16)
     model, reference = fast.llm_engine.runner.model, exact.llm_engine.runner.model
     for i, (layer, expected) in enumerate(zip(model.layers, reference.layers, strict=True)):
         modules = {
-            "self_attn.qkv_proj": (Int8Linear, q5_0_or_q8_0),  # Q5_0 q and k with a Q8_0 or Q5_0 v: one layout
+            # Q5_0 q and k with a Q5_0 v stay 5-bit; with a Q8_0 v they widen to int8 together (exact)
+            "self_attn.qkv_proj": q5_0 if V_TYPES[i] == Q.Q5_0 else q8_0,
             "self_attn.o_proj": (Int4Linear, q4_k),
-            "mlp.gate_up_proj": (Int8Linear, q5_0_or_q8_0),
+            "mlp.gate_up_proj": q5_0,
             "mlp.down_proj": (Int8Linear, q6_k) if DOWN_TYPES[i] == Q.Q6_K else (Int4Linear, q4_k),
         }
         for name, (cls, layout) in modules.items():

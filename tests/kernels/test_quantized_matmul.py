@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tokenloop import kernels
-from tokenloop.models.quant import Int4Linear, Int4Tensor, Int8Embedding, Int8Linear, Int8Tensor, QuantLayout
+from tokenloop.models.quant import Int4Linear, Int4Tensor, Int5Linear, Int8Embedding, Int8Linear, Int8Tensor, QuantLayout
 
 pytestmark = pytest.mark.skipif(kernels._unsupported_reason() is not None, reason=str(kernels._unsupported_reason()))
 
@@ -91,11 +91,40 @@ def random_q8(n: int, k: int, gen: torch.Generator, group: int = 32) -> Int8Line
     return linear
 
 
+def random_q5(n: int, k: int, gen: torch.Generator) -> tuple[Int5Linear, Int8Linear]:
+    """The same random weights in -16..15 (Q5_0's) held in 5 bits and as int8."""
+    q = torch.randint(-16, 16, (n, k), dtype=torch.int8, generator=gen)
+    q[0, :32] = torch.arange(-16, 16)  # every value, with its fifth bit
+    weight = Int8Tensor(q, (torch.rand(n, k // 32, generator=gen) * 0.02).half())
+    q5, q8 = Int5Linear(k, n, bias=False), Int8Linear(k, n, bias=False)
+    q5.load_rows(slice(0, n // 2), weight.rows(slice(0, n // 2)))  # rows in two loads, as packed shards come
+    q5.load_rows(slice(n // 2, n), weight.rows(slice(n // 2, n)))
+    q8.load_rows(slice(None), weight)
+    assert torch.equal(q5.weight_int8().q, q)
+    return q5, q8
+
+
+def q5_matmul(x: torch.Tensor, linear: Int5Linear) -> torch.Tensor:
+    return torch.ops.tokenloop.q5_matmul(x, linear.qweight, linear.scales)
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_q5_matmul_gives_the_floats_of_the_same_weights_as_int8(m, k, n):
+    """Below 12 rows the kernel unpacks each 5-bit weight as it streams in; from 12 on it widens them to q8's
+    form first. Either way, the integer sums and floats of q8's kernel on the same weights."""
+    gen = torch.Generator().manual_seed(m * k + n + 3)
+    q5, q8 = random_q5(n, k, gen)
+    x = torch.randn(m, k, generator=gen) * 3
+    y = q5_matmul(x, q5)
+    assert y.shape == (m, -(-n // 8) * 8) and not y[:, n:].any()
+    assert torch.equal(y, torch.ops.tokenloop.q8_matmul(x, q8.qweight, q8.scales))
+
+
 EAGER_ACTIVATIONS = {"silu": torch.nn.functional.silu, "gelu_pytorch_tanh": functools.partial(torch.nn.functional.gelu, approximate="tanh")}
 
 
 @pytest.mark.parametrize("activation", sorted(EAGER_ACTIVATIONS))
-@pytest.mark.parametrize("weights", ["q4", "q8", "q8 group 16"])
+@pytest.mark.parametrize("weights", ["q4", "q5", "q8", "q8 group 16"])
 @pytest.mark.parametrize("m,k,n", [(1, 64, 32), (5, 160, 33), (37, 1536, 64)])
 def test_gated_matmul_is_the_matmul_of_act_gate_times_up(m, k, n, weights, activation):
     """A gated MLP's fused down projection takes act(gate) * up as eager computes it: the same floats."""
@@ -107,13 +136,17 @@ def test_gated_matmul_is_the_matmul_of_act_gate_times_up(m, k, n, weights, activ
         linear, _ = random_q4(n, k, gen)
         fused = torch.ops.tokenloop.q4_gated_matmul(gate_up, linear.qweight, linear.scales, linear.offsets, activation)
         assert torch.equal(fused, q4_matmul(eager, linear))
+    elif weights == "q5":
+        linear, _ = random_q5(n, k, gen)
+        fused = torch.ops.tokenloop.q5_gated_matmul(gate_up, linear.qweight, linear.scales, activation)
+        assert torch.equal(fused, q5_matmul(eager, linear))
     else:
         linear = random_q8(n, k, gen, group=16 if weights.endswith("16") else 32)
         fused = torch.ops.tokenloop.q8_gated_matmul(gate_up, linear.qweight, linear.scales, activation)
         assert torch.equal(fused, torch.ops.tokenloop.q8_matmul(eager, linear.qweight, linear.scales))
 
 
-@pytest.mark.parametrize("weights", ["q4", "q8"])
+@pytest.mark.parametrize("weights", ["q4", "q5", "q8"])
 def test_a_row_gets_the_same_floats_alone_and_among_many(weights):
     """A few rows run on 8 lanes, many on 16 (where built with AVX-512): a sequence's logits must not depend on
     how many others share its step. 33 rows: 16-lane tiles and a 1-row remainder; 7 output groups: an odd one."""
@@ -122,6 +155,9 @@ def test_a_row_gets_the_same_floats_alone_and_among_many(weights):
     if weights == "q4":
         linear, _ = random_q4(56, 256, gen)
         product = lambda rows: q4_matmul(rows, linear)
+    elif weights == "q5":
+        linear, _ = random_q5(56, 256, gen)
+        product = lambda rows: q5_matmul(rows, linear)
     else:
         linear = random_q8(56, 256, gen, group=16)
         product = lambda rows: torch.ops.tokenloop.q8_matmul(rows, linear.qweight, linear.scales)
@@ -153,14 +189,19 @@ def test_bad_shapes_raise_a_clear_error():
 
 
 def isa_outputs() -> list[torch.Tensor]:
-    """The products on fixed random inputs (tiles of 1 to 4 rows, 4-bit and 8-bit weights)."""
+    """The products on fixed random inputs (tiles of 1 to 4 rows, 4-, 5- and 8-bit weights)."""
     gen = torch.Generator().manual_seed(7)
     linear, _ = random_q4(40, 192, gen)
     x, gate_up = torch.randn(7, 192, generator=gen), torch.randn(7, 384, generator=gen)
     head = Int8Embedding(40, 192)
     head.load_rows(slice(None), Int8Tensor(torch.randint(-128, 128, (40, 192), dtype=torch.int8, generator=gen), torch.rand(40, 6, generator=gen).half()))
     q6k = random_q8(40, 192, gen, group=16)
+    q5, _ = random_q5(40, 192, gen)
+    x13 = torch.randn(13, 192, generator=gen)  # from 12 rows, q5 is widened to q8 first
     return [
+        q5_matmul(x, q5),
+        q5_matmul(x13, q5),
+        torch.ops.tokenloop.q5_gated_matmul(gate_up, q5.qweight, q5.scales, "gelu_pytorch_tanh"),
         q4_matmul(x, linear),
         torch.ops.tokenloop.q4_gated_matmul(gate_up, linear.qweight, linear.scales, linear.offsets, "gelu_pytorch_tanh"),
         torch.ops.tokenloop.q8_matmul(x, head.qweight, head.scales),

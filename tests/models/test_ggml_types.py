@@ -1,4 +1,4 @@
-"""Each GGML type the fast path keeps quantized maps onto the kernel's int4 or int8 form without changing one
+"""Each GGML type the fast path keeps quantized maps onto the kernel's int4, int5 or int8 form without changing one
 weight (bit for bit against gguf's own dequantization), loads into its module in row blocks, and the kernel's
 product equals the float64 product of the int8-quantized activations with those exact weights.
 
@@ -16,7 +16,8 @@ from gguf.quants import dequantize
 from tests.kernels.test_quantized_matmul import quantized_activations
 from tokenloop import kernels
 from tokenloop.models.ggml_types import GGML_FORMATS
-from tokenloop.models.quant import Int4Linear, Int4Tensor, Int8Embedding, Int8Linear
+from tokenloop.models.quant import Int4Linear, Int4Tensor, Int8Embedding
+from tokenloop.models.weights import QUANTIZED_LINEARS
 
 Q = gguf.GGMLQuantizationType
 # Byte offsets of each block's float16 fields (d, and m or dmin), which must be finite.
@@ -46,9 +47,9 @@ def test_the_mapping_reproduces_gguf_dequantization_bit_for_bit(qtype):
     expected = torch.from_numpy(dequantize(blocks, qtype))
     fmt = GGML_FORMATS[qtype]
     tensor = fmt.convert(blocks)
-    assert tensor.shape == (rows, cols) and tensor.layout == fmt.layout
+    assert tensor.shape == (rows, cols) and tensor.layout == fmt.layout.widened()  # Q5_0 comes as int8 in -16..15
     assert torch.equal(tensor.dequantize(), expected)
-    module = (Int4Linear if fmt.layout.bits == 4 else Int8Linear)(cols, rows, False, fmt.layout)
+    module = QUANTIZED_LINEARS[fmt.layout.bits](cols, rows, False, fmt.layout)
     module.load_rows(slice(0, 13), tensor.rows(slice(0, 13)))  # 13 splits one of the kernel's 8-row groups
     module.load_rows(slice(13, rows), tensor.rows(slice(13, rows)))
     weight = module.weight_int4() if isinstance(module, Int4Linear) else module.weight_int8()
@@ -62,7 +63,7 @@ def test_the_kernel_is_the_int8_activation_product_with_the_exact_weights(qtype,
     rows, cols = 21, 512
     fmt = GGML_FORMATS[qtype]
     tensor = fmt.convert(random_blocks(qtype, rows, cols, seed=m))
-    module = (Int4Linear if fmt.layout.bits == 4 else Int8Linear)(cols, rows, False, fmt.layout)
+    module = QUANTIZED_LINEARS[fmt.layout.bits](cols, rows, False, fmt.layout)
     module.load_rows(slice(None), tensor)
     module.use_cpu_kernel()
     assert module.cpu_kernel

@@ -16,7 +16,7 @@ from tests.models.test_gguf_loader import TOKENS, tiny_model, write_gguf  # noqa
 from tokenloop.models.loader import load_model
 from tokenloop import kernels
 from tokenloop.models.ggml_types import GGML_FORMATS
-from tokenloop.models.quant import Int4Linear, Int8Embedding
+from tokenloop.models.quant import Int4Linear, Int5Linear, Int8Embedding, Int8Tensor
 
 Q = gguf.GGMLQuantizationType
 
@@ -78,3 +78,28 @@ def test_fast_path_keeps_a_tied_q8_0_embedding_as_the_int8_lm_head(tiny_model, t
         assert torch.equal(fast.model.embed_tokens.weight_int8().dequantize(), exact.model.embed_tokens.weight)
     expected = forward_in_chunks(exact, TOKENS, [len(TOKENS)])
     torch.testing.assert_close(forward_in_chunks(fast, TOKENS, [1] * len(TOKENS)), expected, atol=0.05, rtol=0)
+
+
+def test_fast_path_keeps_q5_0_in_five_bits_and_a_tied_q5_0_embedding_as_int8(tiny_model, tmp_path):  # noqa: F811
+    arch, model = tiny_model
+    path = write_gguf(model, arch, tmp_path / "m.gguf", Q.Q5_0)
+    exact = load_model(path, torch.float32, torch.device("cpu"), load_tokenizer=False)
+    fast = load_model(path, torch.float32, torch.device("cpu"), load_tokenizer=False, keep_quantized=True)
+    int5 = [m for m in fast.model.modules() if isinstance(m, Int5Linear)]
+    assert len(int5) == 4 * len(fast.model.layers)  # qkv, o, gate_up, down in every layer
+    for layer_exact, layer_fast in zip(exact.model.layers, fast.model.layers):
+        assert torch.equal(layer_fast.mlp.gate_up_proj.weight_int8().dequantize(), layer_exact.mlp.gate_up_proj.weight)
+    if fast.config.tie_word_embeddings:  # the LM head reads Q5_0 as int8 (exact): no 5-bit embedding form
+        assert type(fast.model.embed_tokens) is Int8Embedding and fast.model.lm_head is fast.model.embed_tokens
+        assert torch.equal(fast.model.embed_tokens.weight_int8().dequantize(), exact.model.embed_tokens.weight)
+    expected = forward_in_chunks(exact, TOKENS, [len(TOKENS)])
+    for chunks in ([len(TOKENS)], [1] * len(TOKENS)):
+        torch.testing.assert_close(forward_in_chunks(fast, TOKENS, chunks), expected, atol=0.05, rtol=0)
+
+
+def test_int5_linear_refuses_weights_outside_five_bits():
+    linear = Int5Linear(32, 8, bias=False)
+    q = torch.zeros(8, 32, dtype=torch.int8)
+    q[3, 7] = 16
+    with pytest.raises(ValueError, match=r"Int5Linear holds weights in -16\.\.15, got 0\.\.16"):
+        linear.load_rows(slice(None), Int8Tensor(q, torch.ones(8, 1, dtype=torch.float16)))

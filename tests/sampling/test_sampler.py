@@ -11,6 +11,7 @@ from tokenloop.sampling.sampler import (
     SamplingBatch,
     apply_min_p,
     apply_top_k_top_p,
+    argmax,
 )
 
 sampler = Sampler()
@@ -227,3 +228,21 @@ def test_sampler_leaves_the_logits_untouched(device):
     ]
     sampler(logits, make_batch(params, 20, device))
     assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("vocab", [500, 8 * 1024, 49152, 262144, 262144 + 77])
+def test_argmax_is_torchs_first_index_of_the_maximum(vocab):
+    """The two-pass argmax gives torch's index: the first of equal maxima wherever they fall (within a block,
+    across blocks, in the tail past the last whole block), the first NaN, and 0 for a row of -inf."""
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=gen)
+    x[1, [vocab // 3, vocab // 2, vocab - 1]] = 10.0  # equal maxima in different blocks: the first
+    x[2, [5, 6]] = 10.0  # within one block
+    x[3, vocab - 1] = 10.0  # the last logit (the tail where vocab is no multiple of the block)
+    x[4, -70] = x[4, 7] = 10.0  # a tie between the first block and the tail
+    x[5, [vocab // 2, 3]] = float("nan")  # NaN: the first one, above any number
+    x[6] = float("-inf")
+    x[7, vocab // 2] = float("inf")
+    x[8, -5] = float("nan")
+    assert torch.equal(argmax(x), x.argmax(dim=-1))
+    assert torch.equal(argmax(x[4:5]), x[4:5].argmax(dim=-1))

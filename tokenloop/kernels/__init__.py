@@ -1,6 +1,6 @@
 """tokenloop's own CPU kernels (C++), compiled on first use and cached under $TOKENLOOP_HOME/kernels.
 
-- `quantized_matmul.cpp` computes x W^T for GGUF 4-bit and 8-bit weights the way llama.cpp does on a CPU:
+- `quantized_matmul.cpp` computes x W^T for GGUF 4-, 5- and 8-bit weights the way llama.cpp does on a CPU:
   int8 activations and integer dot products. PyTorch ships no such kernel for AVX2 CPUs (its int4 kernel
   converts every weight to bfloat16 and is compute-bound on it), and this product is most of a step.
 - `float_matmul.cpp` computes x W^T for float32 weights and up to 32 activation rows in one pass over the
@@ -109,6 +109,10 @@ def _register_fake_kernels() -> None:
         return x.new_empty(x.shape[0], weight.shape[0] * 8)
 
     @torch.library.register_fake("tokenloop::q8_matmul")
+    def _(x, weight, scale):
+        return x.new_empty(x.shape[0], weight.shape[0] * 8)
+
+    @torch.library.register_fake("tokenloop::q5_matmul")
     def _(x, weight, scale):
         return x.new_empty(x.shape[0], weight.shape[0] * 8)
 

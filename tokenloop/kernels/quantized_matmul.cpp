@@ -12,6 +12,9 @@
 //   q8: the same with signed bytes, w = q * scale (Q8_0): weight [N / 8, K / 32, 256], 8 chunks of 4 bytes
 //       per row; scales [N / 8, K / 32, 8], or [N / 8, K / 32, 16] with a scale per 16 weights (Q6_K): the
 //       rows' scales of weights 0..15, then of 16..31.
+//   q5: w = (u - 16) * scale with u in 0..31 (Q5_0), as GGUF holds it: weight [N / 8, K / 32, 160], q4's 4 chunks
+//       of u's low nibbles, then a fifth chunk of each row's 4 bytes of fifth bits (bit j: weight j's). Scales
+//       [N / 8, K / 32, 8]. Five eighths of the bytes the same weights take as q8, and the same products.
 // Scales and offsets are float16 where the file's are (Q4_0, Q4_1, Q8_0, Q5_0: exact, and a sixth of the bytes a
 // step reads instead of a third), float32 where they are a float16 times a small integer (the K-quants' sub-block
 // scales d * sc: exact in float32, not in float16).
@@ -39,6 +42,7 @@ constexpr int64_t kBlock = 32;
 // One block of 8 interleaved rows.
 constexpr int64_t kQ4GroupBytes = 8 * kBlock / 2;
 constexpr int64_t kQ8GroupBytes = 8 * kBlock;
+constexpr int64_t kQ5GroupBytes = kQ4GroupBytes + 8 * kBlock / 8;
 // How far ahead the kernels ask for weight bytes: a decode step's weights come from memory, in calls too short
 // for the hardware prefetcher to get going (at one row, about 7% less time for q4, 5% for the q8 LM head).
 constexpr int64_t kPrefetchBytes = 2048;
@@ -180,6 +184,19 @@ struct Lanes8 {
   static Int bit_and(Int a, Int b) { return _mm256_and_si256(a, b); }
   static Int bit_xor(Int a, Int b) { return _mm256_xor_si256(a, b); }
   static Int shift_right_4(Int a) { return _mm256_srli_epi16(a, 4); }
+  static Int shift_right_4_each32(Int a) { return _mm256_srli_epi32(a, 4); }
+  // The same 4 int32 in every 128-bit lane (the lanes vpshufb works within).
+  static Int lane_pattern(int32_t a, int32_t b, int32_t c, int32_t d) { return _mm256_setr_epi32(a, b, c, d, a, b, c, d); }
+  static Int shuffle_bytes(Int a, Int index) { return _mm256_shuffle_epi8(a, index); }
+  // a + 16 in each byte whose bits & select are not all zero.
+  static Int add_16_where(Int a, Int bits, Int select) {
+#ifdef __AVX512VNNI__
+    return _mm256_mask_add_epi8(a, _mm256_test_epi8_mask(bits, select), a, _mm256_set1_epi8(16));
+#else
+    const Int set = _mm256_cmpeq_epi8(_mm256_and_si256(bits, select), select);
+    return _mm256_add_epi8(a, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+#endif
+  }
   static Int add32(Int a, Int b) { return _mm256_add_epi32(a, b); }
   static Int sub32(Int a, Int b) { return _mm256_sub_epi32(a, b); }
   static Float to_float(Int a) { return _mm256_cvtepi32_ps(a); }
@@ -210,6 +227,12 @@ struct Lanes16 {
   static Int bit_and(Int a, Int b) { return _mm512_and_si512(a, b); }
   static Int bit_xor(Int a, Int b) { return _mm512_xor_si512(a, b); }
   static Int shift_right_4(Int a) { return _mm512_srli_epi16(a, 4); }
+  static Int shift_right_4_each32(Int a) { return _mm512_srli_epi32(a, 4); }
+  static Int lane_pattern(int32_t a, int32_t b, int32_t c, int32_t d) { return _mm512_set4_epi32(d, c, b, a); }
+  static Int shuffle_bytes(Int a, Int index) { return _mm512_shuffle_epi8(a, index); }
+  static Int add_16_where(Int a, Int bits, Int select) {
+    return _mm512_mask_add_epi8(a, _mm512_test_epi8_mask(bits, select), a, _mm512_set1_epi8(16));
+  }
   static Int add32(Int a, Int b) { return _mm512_add_epi32(a, b); }
   static Int sub32(Int a, Int b) { return _mm512_sub_epi32(a, b); }
   static Float to_float(Int a) { return _mm512_cvtepi32_ps(a); }
@@ -241,6 +264,11 @@ struct Q4Dot {
   }
   typename V::Float floats() const { return V::to_float(V::add32(low, high)); }
 };
+// q5's weights go in as u = w + 16 (0..31): sum u x = sum w x + 16 sum x, and the second term comes off once per block.
+template <typename V>
+struct Q5Dot : Q4Dot<V> {
+  typename V::Float floats(int32_t x_sum) const { return V::to_float(V::sub32(V::add32(this->low, this->high), V::broadcast(16 * x_sum))); }
+};
 // q8's signed weights go in as unsigned bytes u = w + 128 (w xor 0x80): sum u x = sum w x + 128 sum x, and the
 // second term, from the activations' own integer sums, comes off once per sub-block. Moving w's sign onto x
 // instead (as AVX2 must, below) costs a vpsignb per activation row and chunk: q8 ran a third slower than q4
@@ -267,6 +295,15 @@ struct Q4Dot {
     sum = _mm256_add_epi16(sum, _mm256_add_epi16(_mm256_maddubs_epi16(w_low, x_low), _mm256_maddubs_epi16(w_high, x_high)));
   }
   __m256 floats() const { return _mm256_cvtepi32_ps(widen_pairs(sum)); }
+};
+// q5's u = w + 16 (0..31): a chunk's pairs fit int16 (2 * 2 * 31 * 128 < 32767), widened every chunk.
+template <typename V>
+struct Q5Dot {
+  __m256i sum = _mm256_setzero_si256();
+  void add(__m256i w_low, __m256i x_low, __m256i w_high, __m256i x_high) {
+    sum = _mm256_add_epi32(sum, widen_pairs(_mm256_add_epi16(_mm256_maddubs_epi16(w_low, x_low), _mm256_maddubs_epi16(w_high, x_high))));
+  }
+  __m256 floats(int32_t x_sum) const { return _mm256_cvtepi32_ps(_mm256_sub_epi32(sum, _mm256_set1_epi32(16 * x_sum))); }
 };
 // vpmaddubsw's pairs of (w + 128) x could saturate int16, so w's sign moves onto x: |w| x sign(w), pairs up to
 // 2 * 128 * 127, widened every chunk.
@@ -354,6 +391,76 @@ void q8_rows(const Activations& x, const RowGroups<Scale>& w, float* y, int64_t 
     }
   }
   for (int r = 0; r < kRows; ++r) V::store(y + r * y_stride, acc[r]);
+}
+
+// q5's weights as unsigned bytes u = w + 16 (0..31): q4's nibbles, each plus 16 where its fifth bit is set. Each
+// row's fifth bits are one int32 lane: chunk p takes bits 4p .. 4p+3 (weights 4p ..) and 16+4p .. (weights
+// 16+4p ..), which vpshufb spreads one to a byte.
+template <typename V>
+struct Q5Unpacker {
+  const typename V::Int low4 = V::broadcast_bytes(0x0F);
+  // Byte 0 (bits 0..3) or byte 2 (bits 16..19) of each row's lane, into that row's 4 bytes; then one bit each.
+  const typename V::Int low_bits = V::lane_pattern(0x00000000, 0x04040404, 0x08080808, 0x0C0C0C0C);
+  const typename V::Int high_bits = V::lane_pattern(0x02020202, 0x06060606, 0x0A0A0A0A, 0x0E0E0E0E);
+  const typename V::Int bit_of_byte = V::broadcast(0x08040201);
+
+  // The block's fifth bits, for chunk(): each call moves on to the next chunk's.
+  typename V::Int fifth_bits(const uint8_t* block, int64_t stride) const { return V::load(block + kQ4GroupBytes, stride); }
+  // Chunk p's weights 4p .. 4p+3 (low) and 16+4p .. 16+4p+3 (high) of each row, as u.
+  void chunk(const uint8_t* block, int64_t stride, int p, typename V::Int& fifth, typename V::Int& low, typename V::Int& high) const {
+    const typename V::Int packed = V::load(block + 32 * p, stride);
+    low = V::add_16_where(V::bit_and(packed, low4), V::shuffle_bytes(fifth, low_bits), bit_of_byte);
+    high = V::add_16_where(V::bit_and(V::shift_right_4(packed), low4), V::shuffle_bytes(fifth, high_bits), bit_of_byte);
+    fifth = V::shift_right_4_each32(fifth);  // the next chunk's bits to the bottom of bytes 0 and 2
+  }
+};
+
+// q5 for a few activation rows (decode), which are bound by memory: the weights are unpacked as they stream
+// in, then summed as q8's are (sum u x - 16 sum x): the same integers and floats as the same weights held as q8.
+template <typename V, int kRows, typename Scale>
+void q5_rows(const Activations& x, const RowGroups<Scale>& w, float* y, int64_t y_stride) {
+  const Q5Unpacker<V> unpack;
+  typename V::Float acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = V::zero_floats();
+  for (int64_t g = 0; g < x.groups; ++g) {
+    const uint8_t* wb = static_cast<const uint8_t*>(w.weight) + g * kQ5GroupBytes;
+    for (int i = 0; i < V::kRowGroups; ++i) prefetch_ahead(wb + i * w.stride, kQ5GroupBytes);
+    typename V::Int fifth = unpack.fifth_bits(wb, w.stride), low, high;
+    Q5Dot<V> dot[kRows];
+#pragma GCC unroll 1
+    for (int p = 0; p < 4; ++p) {
+      unpack.chunk(wb, w.stride, p, fifth, low, high);
+      for (int r = 0; r < kRows; ++r) {
+        const int8_t* xb = x.q + r * x.k + g * kBlock;
+        dot[r].add(low, V::broadcast(four_bytes(xb + 4 * p)), high, V::broadcast(four_bytes(xb + 16 + 4 * p)));
+      }
+    }
+    const typename V::Float d = V::scales(w.scale + g * 8, w.scale_stride);
+    for (int r = 0; r < kRows; ++r) {
+      const int32_t* half = x.half_sums + 2 * (r * x.groups + g);
+      acc[r] = V::fmadd(dot[r].floats(half[0] + half[1]), V::mul(d, V::splat(x.scale[r * x.groups + g])), acc[r]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) V::store(y + r * y_stride, acc[r]);
+}
+
+// q5 blocks [blocks, 160] → q8 blocks [blocks, 256] of the same rows (w = u - 16), for many activation rows: unpacked
+// once per call instead of once per tile of 4 rows (at 1,024 rows, q5_rows took a quarter longer than q8's kernel).
+void widen_q5(const uint8_t* q5, int64_t blocks, int8_t* q8) {
+  const Q5Unpacker<Lanes8> unpack;
+  const __m256i sixteen = _mm256_set1_epi8(16);
+  parallel_chunks(blocks, chunk_size(blocks, 256), [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* block = q5 + b * kQ5GroupBytes;
+      int8_t* out = q8 + b * kQ8GroupBytes;
+      __m256i fifth = unpack.fifth_bits(block, 0), low, high;
+      for (int p = 0; p < 4; ++p) {
+        unpack.chunk(block, 0, p, fifth, low, high);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * p), _mm256_sub_epi8(low, sixteen));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * (4 + p)), _mm256_sub_epi8(high, sixteen));
+      }
+    }
+  });
 }
 
 // Calls rows(x tile, first row, kRows) for tiles of up to 4 activation rows.
@@ -454,6 +561,19 @@ at::Tensor q4_product(const at::Tensor& x, const at::Tensor& weight, const at::T
   return y;
 }
 
+// y [m, row_groups * 8] = x W^T for q8 weights w [row_groups, groups, 256] and scales [row_groups, groups, per_group].
+template <typename Scale>
+void q8_matmul_into(const Activations& x, int64_t m, const int8_t* w, int64_t row_groups, const Scale* s, int64_t per_group, float* y) {
+  const int64_t groups = x.groups;
+  matmul_row_groups(x, m, row_groups, y, [&](auto lanes, const Activations& tile, int64_t rg, auto k_rows, float* out, int64_t n) {
+    using V = decltype(lanes);
+    constexpr int kRows = decltype(k_rows)::value;
+    const RowGroups<Scale> at{w + rg * groups * kQ8GroupBytes, groups * kQ8GroupBytes, s + rg * groups * per_group, nullptr, groups * per_group};
+    if (per_group == 16) q8_rows<V, kRows, Scale, 2>(tile, at, out, n);
+    else q8_rows<V, kRows, Scale, 1>(tile, at, out, n);
+  });
+}
+
 template <Gate kGate>
 at::Tensor q8_product(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
   const int64_t groups = check_activations(x, kGate != Gate::kNone) / kBlock;
@@ -462,17 +582,35 @@ at::Tensor q8_product(const at::Tensor& x, const at::Tensor& weight, const at::T
   const int64_t per_group = scale.size(2);  // 8 rows' scales, once or twice (a scale per 16 weights)
   check_scales(scale, {weight.size(0), groups, per_group}, "scales", scale.scalar_type());
   at::Tensor y = at::empty({x.size(0), weight.size(0) * 8}, x.options());
-  const int8_t* w = weight.data_ptr<int8_t>();
+  const Activations activations = quantize_rows<kGate>(x);
+  with_scale_type(scale, [&](auto type) {
+    using Scale = decltype(type);
+    q8_matmul_into(activations, x.size(0), weight.data_ptr<int8_t>(), weight.size(0), scale.data_ptr<Scale>(), per_group, y.data_ptr<float>());
+  });
+  return y;
+}
+
+template <Gate kGate>
+at::Tensor q5_product(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
+  const int64_t groups = check_activations(x, kGate != Gate::kNone) / kBlock, m = x.size(0), row_groups = weight.size(0);
+  check_weight(weight, groups * kBlock, at::kByte, "uint8", kQ5GroupBytes);
+  check_scales(scale, {row_groups, groups, 8}, "scales", scale.scalar_type());
+  at::Tensor y = at::empty({m, row_groups * 8}, x.options());
+  const uint8_t* w = weight.data_ptr<uint8_t>();
   const Activations activations = quantize_rows<kGate>(x);
   with_scale_type(scale, [&](auto type) {
     using Scale = decltype(type);
     const Scale* s = scale.data_ptr<Scale>();
-    matmul_row_groups(activations, x.size(0), weight.size(0), y.data_ptr<float>(), [&](auto lanes, const Activations& tile, int64_t rg, auto k_rows, float* out, int64_t n) {
-      using V = decltype(lanes);
-      constexpr int kRows = decltype(k_rows)::value;
-      const RowGroups<Scale> at{w + rg * groups * kQ8GroupBytes, groups * kQ8GroupBytes, s + rg * groups * per_group, nullptr, groups * per_group};
-      if (per_group == 16) q8_rows<V, kRows, Scale, 2>(tile, at, out, n);
-      else q8_rows<V, kRows, Scale, 1>(tile, at, out, n);
+    if (m >= kWideMinRows) {  // bound by multiply-adds: q8's kernel on the weights widened once
+      thread_local std::vector<int8_t> widened;
+      widened.resize(row_groups * groups * kQ8GroupBytes);
+      widen_q5(w, row_groups * groups, widened.data());
+      q8_matmul_into(activations, m, widened.data(), row_groups, s, 8, y.data_ptr<float>());
+      return;
+    }
+    matmul_row_groups(activations, m, row_groups, y.data_ptr<float>(), [&](auto lanes, const Activations& tile, int64_t rg, auto k_rows, float* out, int64_t n) {
+      const RowGroups<Scale> at{w + rg * groups * kQ5GroupBytes, groups * kQ5GroupBytes, s + rg * groups * 8, nullptr, groups * 8};
+      q5_rows<decltype(lanes), decltype(k_rows)::value>(tile, at, out, n);
     });
   });
   return y;
@@ -484,6 +622,10 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Te
 
 at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
   return q8_product<Gate::kNone>(x, weight, scale);
+}
+
+at::Tensor q5_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
+  return q5_product<Gate::kNone>(x, weight, scale);
 }
 
 // Calls fn(std::integral_constant<Gate, ...>) for a gated MLP's activation, named as the model configs name it.
@@ -503,13 +645,19 @@ at::Tensor q8_gated_matmul(const at::Tensor& gate_up, const at::Tensor& weight, 
   return with_gate(activation, [&](auto gate) { return q8_product<decltype(gate)::value>(gate_up, weight, scale); });
 }
 
+at::Tensor q5_gated_matmul(const at::Tensor& gate_up, const at::Tensor& weight, const at::Tensor& scale, c10::string_view activation) {
+  return with_gate(activation, [&](auto gate) { return q5_product<decltype(gate)::value>(gate_up, weight, scale); });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tokenloop, m) {
   m.def("q4_matmul(Tensor x, Tensor weight, Tensor scale, Tensor offset) -> Tensor");
   m.def("q8_matmul(Tensor x, Tensor weight, Tensor scale) -> Tensor");
+  m.def("q5_matmul(Tensor x, Tensor weight, Tensor scale) -> Tensor");
   m.def("q4_gated_matmul(Tensor gate_up, Tensor weight, Tensor scale, Tensor offset, str activation) -> Tensor");
   m.def("q8_gated_matmul(Tensor gate_up, Tensor weight, Tensor scale, str activation) -> Tensor");
+  m.def("q5_gated_matmul(Tensor gate_up, Tensor weight, Tensor scale, str activation) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenloop, CPU, m) {
@@ -517,4 +665,6 @@ TORCH_LIBRARY_IMPL(tokenloop, CPU, m) {
   m.impl("q8_matmul", &q8_matmul);
   m.impl("q4_gated_matmul", &q4_gated_matmul);
   m.impl("q8_gated_matmul", &q8_gated_matmul);
+  m.impl("q5_matmul", &q5_matmul);
+  m.impl("q5_gated_matmul", &q5_gated_matmul);
 }

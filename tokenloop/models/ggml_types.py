@@ -72,7 +72,7 @@ def q8_0(data: np.ndarray) -> Int8Tensor:
 
 def q5_0(data: np.ndarray) -> Int8Tensor:
     """Q5_0: float16 d, 4 bytes of fifth bits (bit j: weight j), 16 bytes of nibbles. w = (q - 16) d: int8 q - 16
-    with the file's d, Q8_0's form."""
+    with the file's d, Q8_0's form, which Int5Linear holds in 5 bits again."""
     n = data.shape[0]
     blocks = _blocks(data, 2 + 4 + GROUP_SIZE // 2)
     high = blocks[..., 2:6].copy().view(np.uint32)  # [N, B, 1]
@@ -109,6 +109,6 @@ GGML_FORMATS: dict[gguf.GGMLQuantizationType, GGMLFormat] = {
     T.Q4_1: GGMLFormat(q4_0_or_1(T.Q4_1), QuantLayout(4, F16)),
     T.Q4_K: GGMLFormat(q4_k, QuantLayout(4, F32)),
     T.Q8_0: GGMLFormat(q8_0, QuantLayout(8, F16)),
-    T.Q5_0: GGMLFormat(q5_0, QuantLayout(8, F16)),
+    T.Q5_0: GGMLFormat(q5_0, QuantLayout(5, F16)),
     T.Q6_K: GGMLFormat(q6_k, QuantLayout(8, F32, group=16)),
 }

@@ -2,8 +2,9 @@
 
 - int4, one scale and one offset per group of 32 along K: w = q * scale + offset, q in 0..15. Q4_1 is
   w = q * d + m, Q4_0 is (q - 8) * d, Q4_K is d * sc * q - dmin * m per sub-block of 32.
-- int8, one scale per group of 32 (or 16) along K: w = q * scale. Q8_0 is q * d, Q5_0 is (q - 16) * d,
-  Q6_K is d * sc * (q - 32) per group of 16.
+- int8, one scale per group of 32 (or 16) along K: w = q * scale. Q8_0 is q * d, Q6_K is d * sc * (q - 32) per
+  group of 16.
+- int5, int8 values in -16..15 held in 5 bits (nibbles and fifth bits, as the file has them): Q5_0, (q - 16) * d.
 The integers need no requantization; `ggml_types.py` maps each GGML type onto its form.
 """
 
@@ -27,9 +28,14 @@ class QuantLayout:
     """How a weight is held: its bits, its scales' dtype (float16 as a file's, or float32 for a K-quant's
     float16 times an integer) and the weights per scale. Shards packed into one module must share it."""
 
-    bits: int  # 4 (with offsets) or 8
+    bits: int  # 4 (with offsets), 5 or 8
     scale_dtype: torch.dtype
     group: int = GROUP_SIZE  # 32, or 16 (int8 only)
+
+    def widened(self) -> QuantLayout:
+        """The layout that also holds this one's weights exactly: 5 bits widen to 8 (a module whose shards come
+        as Q5_0 and Q8_0 keeps both quantized, as int8)."""
+        return QuantLayout(8, self.scale_dtype, self.group) if self.bits == 5 else self
 
 
 @dataclass(slots=True)
@@ -101,6 +107,7 @@ class QuantizedModule(nn.Module):
     zero rows, whose outputs are dropped."""
 
     cpu_kernel = False  # set by use_cpu_kernel once the weights are loaded
+    kernel = "q8"  # the ops that multiply this form: torch.ops.tokenloop.{kernel}_matmul and _gated_matmul
 
     def __init__(self, rows: int, cols: int, block_bytes: int, qdtype: torch.dtype, offsets: bool, layout: QuantLayout, bias: bool = False) -> None:
         super().__init__()
@@ -165,11 +172,11 @@ class QuantizedModule(nn.Module):
         """x W^T (+ b) through the kernel (cpu_kernel must be set) in x's dtype, or with an activation
         (act(gate) * up) W^T (+ b) for x = [gate | up]."""
         ops, xf = torch.ops.tokenloop, x.float().contiguous()
-        if self.offsets is None:
-            y = ops.q8_matmul(xf, self.qweight, self.scales) if activation is None else ops.q8_gated_matmul(xf, self.qweight, self.scales, activation)
+        weights = (self.qweight, self.scales) if self.offsets is None else (self.qweight, self.scales, self.offsets)
+        if activation is None:
+            y = getattr(ops, f"{self.kernel}_matmul")(xf, *weights)
         else:
-            weights = (self.qweight, self.scales, self.offsets)
-            y = ops.q4_matmul(xf, *weights) if activation is None else ops.q4_gated_matmul(xf, *weights, activation)
+            y = getattr(ops, f"{self.kernel}_gated_matmul")(xf, *weights, activation)
         y = self._drop_padding(y).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
@@ -182,6 +189,8 @@ class QuantizedModule(nn.Module):
 
 class Int4Linear(QuantizedModule):
     """y = x W^T (+ b) with W held as group-32 int4; loaded row block by row block (q/k/v, gate/up pack)."""
+
+    kernel = "q4"
 
     def __init__(self, in_features: int, out_features: int, bias: bool, layout: QuantLayout = QuantLayout(4, torch.float16)) -> None:
         super().__init__(out_features, in_features, GROUP_SIZE // 2, torch.uint8, offsets=True, layout=layout, bias=bias)
@@ -237,6 +246,39 @@ class Int8Linear(Int8Weights):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8 group {self.layout.group}, {self.layout.scale_dtype} scales"
+
+
+class Int5Linear(Int8Linear):
+    """y = x W^T (+ b) with W = (u - 16) * scale held in 5 bits, u in 0..31 (GGUF Q5_0), loaded from int8 values in
+    -16..15: per row and block of 32, u's 16 bytes of nibbles as Int4Linear's, then its 4 bytes of fifth bits (bit
+    j: weight j's), as the file has them. A decode step reads 24 bytes per 32 weights instead of int8's 34; the
+    kernel's products are the same floats as int8's."""
+
+    kernel = "q5"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, layout: QuantLayout = QuantLayout(5, torch.float16)) -> None:
+        QuantizedModule.__init__(self, out_features, in_features, GROUP_SIZE // 2 + GROUP_SIZE // 8, torch.uint8, offsets=False, layout=layout, bias=bias)
+        self.in_features, self.out_features = in_features, out_features
+
+    def load_rows(self, rows: slice, weight: Int8Tensor) -> None:
+        q = weight.q.view(weight.q.shape[0], -1, GROUP_SIZE)
+        if q.numel() and (q.min() < -16 or q.max() > 15):
+            raise ValueError(f"Int5Linear holds weights in -16..15, got {q.min().item()}..{q.max().item()}")
+        u = (q + 16).view(torch.uint8)
+        nibbles = (u[..., :16] & 0x0F) | ((u[..., 16:] & 0x0F) << 4)  # GGUF's order: weight j low, j + 16 high
+        bits = (u >> 4).view(*u.shape[:-1], 4, 8) << torch.arange(8, dtype=torch.uint8, device=u.device)
+        fifth = bits.sum(-1, dtype=torch.uint8)  # disjoint bits: the sum is their or
+        self._store_rows(rows, torch.cat([nibbles, fifth], dim=-1), weight.scales, None)
+
+    def weight_int8(self) -> Int8Tensor:
+        blocks, scales, _ = self._all_rows()
+        nibbles, fifth = blocks[..., :16], blocks[..., 16:]
+        bits = (fifth[..., None] >> torch.arange(8, dtype=torch.uint8, device=fifth.device)) & 1
+        u = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1) | (bits.flatten(-2) << 4)
+        return Int8Tensor((u.view(torch.int8) - 16).view(self.rows, self.cols), scales)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int5 group {GROUP_SIZE}, {self.layout.scale_dtype} scales"
 
 
 class Int8Embedding(Int8Weights):

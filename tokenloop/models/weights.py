@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from tokenloop.models.config import ModelConfig
-from tokenloop.models.quant import Int4Linear, Int4Tensor, Int8Embedding, Int8Linear, Int8Tensor, QuantizedModule, QuantLayout
+from tokenloop.models.quant import Int4Linear, Int4Tensor, Int5Linear, Int8Embedding, Int8Linear, Int8Tensor, QuantizedModule, QuantLayout
 
 # Checkpoint tensors that pack into one of our parameters: name → (our name, shard index).
 PACKED_MODULES = {
@@ -47,16 +47,20 @@ def checkpoint_target(config: ModelConfig, ckpt_name: str) -> tuple[str, int, sl
     return name, 0, slice(None)
 
 
+QUANTIZED_LINEARS = {4: Int4Linear, 5: Int5Linear, 8: Int8Linear}  # the module for a layout's bits
+
+
 def use_quantized(model: nn.Module, layouts: dict[str, QuantLayout]) -> None:
-    """Turn into Int4Linear / Int8Linear every decoder linear whose checkpoint tensors (all shards) are kept
-    quantized in one layout, and a tied 8-bit embedding into an Int8Embedding (the LM head too). A linear
-    whose shards differ in layout stays float.
+    """Turn into a quantized linear (QUANTIZED_LINEARS) every decoder linear whose checkpoint tensors (all shards)
+    are kept quantized in one layout, or in layouts that one widens to (Q5_0 and Q8_0 shards: int8), and a tied
+    5- or 8-bit embedding into an Int8Embedding (the LM head too). A linear whose shards have no common layout
+    stays float.
 
     `layouts`: checkpoint name → QuantLayout. Call on the meta device, before the weights are loaded."""
     config = model.config
     embedding = layouts.get("model.embed_tokens.weight")
-    if config.tie_word_embeddings and embedding is not None and embedding.bits == 8:
-        model.embed_tokens = Int8Embedding(config.vocab_size, config.hidden_size, embedding)
+    if config.tie_word_embeddings and embedding is not None and embedding.widened().bits == 8:
+        model.embed_tokens = Int8Embedding(config.vocab_size, config.hidden_size, embedding.widened())
         model.tie_weights()
     shards: dict[str, list[QuantLayout]] = {}  # decoder linear → the layouts of its checkpoint tensors
     for name, layout in layouts.items():
@@ -65,11 +69,12 @@ def use_quantized(model: nn.Module, layouts: dict[str, QuantLayout]) -> None:
             shards.setdefault(target.removesuffix(".weight"), []).append(layout)
     for module_name, kinds in shards.items():
         linear = model.get_submodule(module_name)
+        if len(set(kinds)) > 1:
+            kinds = [kind.widened() for kind in kinds]
         if len(set(kinds)) == 1 and len(kinds) == num_shards(module_name.split(".")[-1]):
             layout = kinds[0]
-            cls = Int4Linear if layout.bits == 4 else Int8Linear
             parent, child = module_name.rsplit(".", 1)
-            setattr(model.get_submodule(parent), child, cls(linear.in_features, linear.out_features, linear.bias is not None, layout))
+            setattr(model.get_submodule(parent), child, QUANTIZED_LINEARS[layout.bits](linear.in_features, linear.out_features, linear.bias is not None, layout))
 
 
 @torch.no_grad()

@@ -118,6 +118,31 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Ten
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+ARGMAX_BLOCK = 1024
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) for x [B, V]: the same index (the first of equal maxima; the first NaN, as torch's), found in
+    two passes. torch's argmax compares one value at a time (220 us over Gemma 3's 262k logits, 3% of a decode
+    step); amax is vectorised (10 us): the maximum of each block of 1,024, then argmax within the first block
+    that holds the largest (a block holding a NaN has a NaN maximum, which argmax ranks above all)."""
+    rows, vocab = x.shape
+    blocks = vocab // ARGMAX_BLOCK
+    if blocks < 8:
+        return x.argmax(dim=-1)
+    body = x[:, : blocks * ARGMAX_BLOCK].view(rows, blocks, ARGMAX_BLOCK)
+    block_max = body.amax(dim=-1)  # [B, blocks]
+    best = block_max.argmax(dim=-1)  # [B]
+    index = best * ARGMAX_BLOCK + body[torch.arange(rows, device=x.device), best].argmax(dim=-1)
+    if vocab == blocks * ARGMAX_BLOCK:
+        return index
+    tail = x[:, blocks * ARGMAX_BLOCK :]
+    tail_index = tail.argmax(dim=-1)
+    tail_max, body_max = tail.gather(1, tail_index[:, None])[:, 0], block_max.gather(1, best[:, None])[:, 0]
+    tail_wins = (tail_max > body_max) | (tail_max.isnan() & ~body_max.isnan())  # later: only if strictly larger
+    return torch.where(tail_wins, blocks * ARGMAX_BLOCK + tail_index, index)
+
+
 def random_sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """Sample one token per row by the exponential race: argmax(probs / q), q ~ Exp(1), same law as multinomial.
 
@@ -131,7 +156,7 @@ def random_sample(probs: torch.Tensor, generators: list[torch.Generator | None])
             q[row].exponential_(generator=generator)
     # Some backends' exponential_ can return 0; 0 / 0 = NaN would win the argmax on a masked token.
     q.clamp_(min=torch.finfo(q.dtype).tiny)
-    return (probs / q).argmax(dim=-1)
+    return argmax(probs / q)
 
 
 class Sampler(torch.nn.Module):
@@ -145,7 +170,7 @@ class Sampler(torch.nn.Module):
             inputs = batch.processors
             logits = apply_processors(logits, inputs.params, inputs.token_ids, inputs.controls)
         if batch.all_greedy:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = argmax(logits)
         else:
             token_ids = self._sample(logits, batch)
         if raw_logprobs is None:
@@ -157,7 +182,7 @@ class Sampler(torch.nn.Module):
         sampled = random_sample(Sampler.probs(logits, batch), batch.generators)
         if batch.all_random:
             return sampled
-        return torch.where(batch.temperature < SAMPLING_EPS, logits.argmax(dim=-1), sampled)
+        return torch.where(batch.temperature < SAMPLING_EPS, argmax(logits), sampled)
 
     @staticmethod
     def probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -22,7 +22,7 @@ from tokenloop.engine.model_runner import ModelRunner
 from tokenloop.engine.scheduler import ScheduledBatch
 from tokenloop.engine.sequence import Sequence
 from tokenloop.models.loader import load_model
-from tokenloop.sampling.sampler import Sampler, SamplingBatch, random_sample
+from tokenloop.sampling.sampler import Sampler, SamplingBatch, argmax, random_sample
 from tokenloop.spec.cost_model import StepCosts
 from tokenloop.spec.proposer import Draft, Proposer
 
@@ -103,9 +103,9 @@ class DraftModelProposer(Proposer):
         params = [d.params for d in drafts]
         batch = SamplingBatch.from_params(params, [d.generator for d in drafts], logits.shape[-1], logits.device)
         if batch.all_greedy:
-            return logits.argmax(dim=-1).tolist(), None
+            return argmax(logits).tolist(), None
         q = Sampler.probs(logits, batch)
-        drawn = torch.where(batch.temperature == 0, logits.argmax(dim=-1), random_sample(q, batch.generators))
+        drawn = torch.where(batch.temperature == 0, argmax(logits), random_sample(q, batch.generators))
         return drawn.tolist(), q
 
     def release(self, seq: Sequence) -> None:

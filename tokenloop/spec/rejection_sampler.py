@@ -18,7 +18,7 @@ import torch
 
 from tokenloop.engine.sequence import Sequence
 from tokenloop.sampling.processors import apply_processors
-from tokenloop.sampling.sampler import ProcessorInputs, Sampler, SamplerOutput, SamplingBatch, gather_logprobs, random_sample
+from tokenloop.sampling.sampler import ProcessorInputs, Sampler, SamplerOutput, SamplingBatch, argmax, gather_logprobs, random_sample
 
 
 def draft_length(seq: Sequence) -> int:
@@ -53,7 +53,7 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], num_logprobs: list[int | 
         if any(c is not None for c in controls):  # they see the tokens accepted before this position
             histories = [seq.token_ids + emitted[i] if c is not None else seq.token_ids for seq, i, c in zip(part, alive, controls)]
             target = apply_processors(target, params, histories, controls)
-        argmax = target.argmax(dim=-1).tolist()
+        best = argmax(target).tolist()
         probs = None if batch.all_greedy else Sampler.probs(target, batch)
         still, draws = [], []  # draws: (index in alive, weights to draw this row's token from)
         for r, (i, seq) in enumerate(zip(alive, part)):
@@ -61,7 +61,7 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], num_logprobs: list[int | 
             if j < lengths[i]:
                 x = seq.draft.token_ids[j]
                 if greedy:
-                    accepted = x == argmax[r]
+                    accepted = x == best[r]
                 else:
                     q_x = 1.0 if seq.draft.probs is None else float(seq.draft.probs[j, x])
                     accepted = _uniform(seq.generator) * q_x < float(probs[r, x])
@@ -69,11 +69,11 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], num_logprobs: list[int | 
                     emitted[i].append(x)
                     still.append(i)
                 elif greedy:
-                    emitted[i].append(argmax[r])
+                    emitted[i].append(best[r])
                 else:
                     draws.append((r, _residual(probs[r], seq, j, x)))
             elif greedy:
-                emitted[i].append(argmax[r])
+                emitted[i].append(best[r])
             else:
                 draws.append((r, probs[r]))
         if draws:
