@@ -221,7 +221,7 @@ def format_table(results: list[EngineResult], cfg: BenchConfig, bandwidth: float
     lines += [f"{r.engine}: {r.error}" for r in results if r.error]
     lines += [f"{r.engine}: {r.note}" for r in results if r.note]
     timing = f"the best of {cfg.repeats} runs" if cfg.repeats > 1 else "one run"
-    lines.append(f"ratio = tokenloop / peer; each timed figure is {timing} (llama-bench: the mean of its {cfg.repeats} repetitions).")
+    lines.append(f"ratio = tokenloop / peer; each timed figure is {timing} (llama-bench: the best of its {cfg.repeats} repetitions).")
     lines.append("The peers run one sequence at a time: a concurrent row's peer figure is its single-stream decode.")
     return "\n".join(lines)
 

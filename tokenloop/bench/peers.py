@@ -85,11 +85,13 @@ class LlamaBenchResult:
 
 
 def run_llama_bench(bin_dir: Path, model: str, threads: int, prefill_tokens: int, decode_tokens: int, repeats: int) -> LlamaBenchResult:
-    """llama-bench's own tg and pp figures (mean over its repetitions), same model and threads as tokenloop's run."""
+    """llama-bench's own tg and pp figures, same model and threads as tokenloop's run: the best of its repetitions,
+    as tokenloop's figures are the best of its runs (its mean would set a peer's average against our best)."""
     cmd = [str(bin_dir / "llama-bench"), "-m", model, "-t", str(threads), "-p", str(prefill_tokens), "-n", str(decode_tokens), "-r", str(repeats), "-o", "json"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     rows = json.loads(out)
     prefill = next((r for r in rows if r["n_prompt"] == prefill_tokens and r["n_gen"] == 0), None) if prefill_tokens else None
     decode = next(r for r in rows if r["n_gen"] == decode_tokens and r["n_prompt"] == 0)
     build = f"llama.cpp {decode.get('build_commit', '?')} (build {decode.get('build_number', '?')}), {decode.get('cpu_info', '')}".strip()
-    return LlamaBenchResult(decode["avg_ts"], prefill["avg_ts"] if prefill else None, build)
+    best = lambda row: max(row.get("samples_ts") or [row["avg_ts"]])  # noqa: E731
+    return LlamaBenchResult(best(decode), best(prefill) if prefill else None, build)
