@@ -163,7 +163,7 @@ def alone(fast) -> list[CompletionOutput]:
 
 def test_every_matrix_stays_in_its_files_integers_with_the_float32_paths_weights(fast, exact):
     q5_0, q8_0 = (Int5Linear, QuantLayout(5, torch.float16)), (Int8Linear, QuantLayout(8, torch.float16))
-    q4_k, q6_k = QuantLayout(4, torch.float32), QuantLayout(8, torch.float32, group=16)
+    q4_k, q6_k = QuantLayout(4, torch.uint8), QuantLayout(8, torch.int8, group=16)  # the file's integer scales
     model, reference = fast.llm_engine.runner.model, exact.llm_engine.runner.model
     for i, (layer, expected) in enumerate(zip(model.layers, reference.layers, strict=True)):
         modules = {

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tokenloop import kernels
-from tokenloop.models.quant import Int4Linear, Int4Tensor, Int5Linear, Int8Embedding, Int8Linear, Int8Tensor, QuantLayout
+from tokenloop.models.quant import FactoredScales, Int4Linear, Int4Tensor, Int5Linear, Int8Embedding, Int8Linear, Int8Tensor, QuantLayout
 
 pytestmark = pytest.mark.skipif(kernels._unsupported_reason() is not None, reason=str(kernels._unsupported_reason()))
 
@@ -120,6 +120,44 @@ def test_q5_matmul_gives_the_floats_of_the_same_weights_as_int8(m, k, n):
     assert torch.equal(y, torch.ops.tokenloop.q8_matmul(x, q8.qweight, q8.scales))
 
 
+def factored(n: int, k: int, group: int, dtype: torch.dtype, gen: torch.Generator) -> FactoredScales:
+    """K-quant scales: integers of `dtype` per `group` weights times a float16 per 256 (signs included)."""
+    low, high = (0, 64) if dtype == torch.uint8 else (-128, 128)
+    per_256 = (torch.rand(n, k // 256, generator=gen) * 0.02 - 0.01).half()
+    return FactoredScales(torch.randint(low, high, (n, k // group), generator=gen).to(dtype), per_256)
+
+
+@pytest.mark.parametrize("m", [1, 5, 13, 40])
+@pytest.mark.parametrize("weights", ["q4", "q8 group 16"])
+def test_factored_scales_give_the_floats_of_their_float32_products(weights, m):
+    """The K-quants' scales stay the file's integers and float16s; multiplied in the kernel (exactly), they give
+    the same products as float32 copies of d * sc, on 8 and 16 lanes, plain and gated."""
+    gen = torch.Generator().manual_seed(m)
+    n, k = 44, 512
+    x, gate_up = torch.randn(m, k, generator=gen), torch.randn(m, 2 * k, generator=gen)
+    if weights == "q4":
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+        scales, offsets = factored(n, k, 32, torch.uint8, gen), factored(n, k, 32, torch.uint8, gen)
+        held = Int4Linear(k, n, bias=False, layout=QuantLayout(4, torch.uint8))
+        held.load_rows(slice(None), Int4Tensor(q, scales, offsets))
+        copy = Int4Linear(k, n, bias=False, layout=QuantLayout(4, torch.float32))
+        copy.load_rows(slice(None), Int4Tensor(q, scales.float(), offsets.float()))
+        assert torch.equal(held.weight_int4().dequantize(), copy.weight_int4().dequantize())
+    else:
+        q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
+        scales = factored(n, k, 16, torch.int8, gen)
+        held = Int8Linear(k, n, bias=False, layout=QuantLayout(8, torch.int8, 16))
+        held.load_rows(slice(None), Int8Tensor(q, scales))
+        copy = Int8Linear(k, n, bias=False, layout=QuantLayout(8, torch.float32, 16))
+        copy.load_rows(slice(None), Int8Tensor(q, scales.float()))
+        assert torch.equal(held.weight_int8().dequantize(), copy.weight_int8().dequantize())
+    for module in (held, copy):
+        module.use_cpu_kernel()
+    assert held.scales.element_size() * 4 == copy.scales.element_size()
+    assert torch.equal(held(x), copy(x))
+    assert torch.equal(held.gated_forward(gate_up, "silu"), copy.gated_forward(gate_up, "silu"))
+
+
 EXACT_ACTIVATIONS = {"silu": torch.nn.functional.silu, "gelu_pytorch_tanh": functools.partial(torch.nn.functional.gelu, approximate="tanh")}
 # Controls: near misses the check must catch (a SiLU off by 1e-4 in its slope; GELU's erf form).
 WRONG_ACTIVATIONS = {"silu": lambda g: g * torch.sigmoid(1.0001 * g), "gelu_pytorch_tanh": torch.nn.functional.gelu}
@@ -185,7 +223,7 @@ def test_bad_shapes_raise_a_clear_error():
         torch.ops.tokenloop.q4_matmul(torch.randn(1, 64).double(), packed, scale, offset)
     with pytest.raises(RuntimeError, match="offsets must be contiguous and of the scales' type"):
         torch.ops.tokenloop.q4_matmul(torch.randn(1, 64), packed, scale.float(), offset)
-    with pytest.raises(RuntimeError, match="scales must be float16 or float32"):
+    with pytest.raises(RuntimeError, match="scales must be float16, float32, uint8 or int8"):
         torch.ops.tokenloop.q4_matmul(torch.randn(1, 64), packed, scale.double(), offset.double())
     with pytest.raises(RuntimeError, match=r"scales must be \[N / 8, K / 32, 8 or 16\]"):
         torch.ops.tokenloop.q8_matmul(torch.randn(1, 64), torch.zeros(1, 2, 256, dtype=torch.int8), torch.zeros(1, 2, 24).half())
@@ -195,6 +233,12 @@ def test_bad_shapes_raise_a_clear_error():
         torch.ops.tokenloop.q4_gated_matmul(torch.randn(1, 96), packed, scale, offset, "silu")
     with pytest.raises(RuntimeError, match="activation must be 'silu' or 'gelu_pytorch_tanh', got 'relu'"):
         torch.ops.tokenloop.q4_gated_matmul(torch.randn(1, 128), packed, scale, offset, "relu")
+    with pytest.raises(RuntimeError, match="uint8 or int8 scales need their float16 factors per 256 weights"):
+        torch.ops.tokenloop.q4_matmul(torch.randn(1, 64), packed, scale.to(torch.uint8), offset.to(torch.uint8))
+    with pytest.raises(RuntimeError, match="float scales take no factors per 256 weights"):
+        torch.ops.tokenloop.q8_matmul(torch.randn(1, 64), torch.zeros(1, 2, 256, dtype=torch.int8), torch.zeros(1, 2, 8).half(), torch.zeros(1, 1, 8).half())
+    with pytest.raises(RuntimeError, match=r"factors per 256 weights must be a contiguous float16 \[N / 8, K / 256, 8\] tensor"):
+        torch.ops.tokenloop.q8_matmul(torch.randn(1, 256), torch.zeros(1, 8, 256, dtype=torch.int8), torch.zeros(1, 8, 8, dtype=torch.int8), torch.zeros(1, 2, 8).half())
 
 
 def isa_outputs() -> list[torch.Tensor]:
@@ -207,7 +251,11 @@ def isa_outputs() -> list[torch.Tensor]:
     q6k = random_q8(40, 192, gen, group=16)
     q5, _ = random_q5(40, 192, gen)
     x13 = torch.randn(13, 192, generator=gen)  # from 12 rows, q5 is widened to q8 first
+    q6k_held = Int8Linear(256, 24, bias=False, layout=QuantLayout(8, torch.int8, 16))  # the file's integer scales
+    q6k_held.load_rows(slice(None), Int8Tensor(torch.randint(-128, 128, (24, 256), dtype=torch.int8, generator=gen), factored(24, 256, 16, torch.int8, gen)))
+    x256 = torch.randn(5, 256, generator=gen)
     return [
+        torch.ops.tokenloop.q8_matmul(x256, q6k_held.qweight, q6k_held.scales, q6k_held.scales_per_256),
         q5_matmul(x, q5),
         q5_matmul(x13, q5),
         torch.ops.tokenloop.q5_gated_matmul(gate_up, q5.qweight, q5.scales, "gelu_pytorch_tanh"),

@@ -16,7 +16,7 @@ from gguf.quants import dequantize
 from tests.kernels.test_quantized_matmul import quantized_activations
 from tokenloop import kernels
 from tokenloop.models.ggml_types import GGML_FORMATS
-from tokenloop.models.quant import Int4Linear, Int4Tensor, Int8Embedding
+from tokenloop.models.quant import FactoredScales, Int4Linear, Int8Embedding
 from tokenloop.models.weights import QUANTIZED_LINEARS
 
 Q = gguf.GGMLQuantizationType
@@ -80,8 +80,17 @@ def test_an_int8_embedding_with_a_scale_per_16_looks_up_exactly():
     assert torch.equal(embedding(ids), tensor.dequantize()[ids])
 
 
-def test_q4_k_scales_are_float32_and_not_float16_representable():
-    # d * sc needs up to 17 bits: float16 storage would round some of them (the reason for float32 scales).
-    tensor = GGML_FORMATS[Q.Q4_K].convert(random_blocks(Q.Q4_K, 8, 256, seed=5))
-    assert isinstance(tensor, Int4Tensor) and tensor.scales.dtype == torch.float32
-    assert not torch.equal(tensor.scales.half().float(), tensor.scales)
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_k_quant_scales_stay_the_files_integers_times_its_float16s(qtype):
+    """d * sc needs up to 17 bits (Q4_K; 19 with Q6_K's int8): a float16 copy would round some. They stay factored,
+    as in the file, and multiply out exactly in float32; the module holds them so, a fifth to a quarter of the bytes."""
+    fmt = GGML_FORMATS[qtype]
+    tensor = fmt.convert(random_blocks(qtype, 8, 512, seed=5))
+    assert isinstance(tensor.scales, FactoredScales) and tensor.scales.per_256.dtype == torch.float16
+    assert tensor.scales.dtype == fmt.layout.scale_dtype == (torch.uint8 if qtype == Q.Q4_K else torch.int8)
+    products = tensor.scales.float()
+    assert not torch.equal(products.half().float(), products)
+    exact = tensor.scales.per_256.double().repeat_interleave(products.shape[1] // 2, dim=1) * tensor.scales.sub.double()
+    assert torch.equal(products.double(), exact)
+    module = QUANTIZED_LINEARS[fmt.layout.bits](512, 8, False, fmt.layout)
+    assert module.scales.dtype == fmt.layout.scale_dtype and module.scales_per_256.dtype == torch.float16

@@ -105,11 +105,11 @@ def _register_fake_kernels() -> None:
 
     # Weight rows come in interleaved groups of 8 (weight.shape[0] groups).
     @torch.library.register_fake("tokenloop::q4_matmul")
-    def _(x, weight, scale, offset):
+    def _(x, weight, scale, offset, scale_per_256=None, offset_per_256=None):
         return x.new_empty(x.shape[0], weight.shape[0] * 8)
 
     @torch.library.register_fake("tokenloop::q8_matmul")
-    def _(x, weight, scale):
+    def _(x, weight, scale, scale_per_256=None):
         return x.new_empty(x.shape[0], weight.shape[0] * 8)
 
     @torch.library.register_fake("tokenloop::q5_matmul")

@@ -15,9 +15,10 @@
 //   q5: w = (u - 16) * scale with u in 0..31 (Q5_0), as GGUF holds it: weight [N / 8, K / 32, 160], q4's 4 chunks
 //       of u's low nibbles, then a fifth chunk of each row's 4 bytes of fifth bits (bit j: weight j's). Scales
 //       [N / 8, K / 32, 8]. Five eighths of the bytes the same weights take as q8, and the same products.
-// Scales and offsets are float16 where the file's are (Q4_0, Q4_1, Q8_0, Q5_0: exact, and a sixth of the bytes a
-// step reads instead of a third), float32 where they are a float16 times a small integer (the K-quants' sub-block
-// scales d * sc: exact in float32, not in float16).
+// Scales and offsets are float16 where the file's are (Q4_0, Q4_1, Q8_0, Q5_0), or, for the K-quants, the file's
+// small integers per sub-block (uint8 Q4_K scales and mins, int8 Q6_K scales) with a float16 per 256 weights and
+// row ([N / 8, K / 256, 8]: d, or -dmin for offsets), multiplied here: exact in float32 (11 bits times at most 8),
+// so the same floats as a float32 copy of d * sc in a quarter of the bytes. Float32 scales are taken too.
 #define CPU_CAPABILITY AVX2
 #define CPU_CAPABILITY_AVX2
 #include <ATen/Parallel.h>
@@ -33,6 +34,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -150,6 +152,8 @@ Activations quantize_rows(const at::Tensor& x) {
 // 8 scales (or offsets) as floats, from float16 or float32 storage.
 inline __m256 load_scales(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m256 load_scales(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_scales(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
+inline __m256 load_scales(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
 
 // Asks for the cache lines of the weight block kPrefetchBytes past this one (bytes long).
 inline void prefetch_ahead(const void* block, int64_t bytes) {
@@ -319,15 +323,35 @@ struct Q8Dot {
 using Lanes = Lanes8;
 #endif
 
+// A row group's scales (or offsets): 8 per sub-block, one per row, `stride` elements before the next row group's.
+// With an integer Scale (the K-quants), each times its row's float16 of the 256 weights around it (`per_256`, 8 per
+// super-block, `per_256_stride` before the next row group's).
+template <typename Scale>
+struct ScaleRows {
+  const Scale* p = nullptr;
+  int64_t stride = 0;
+  const at::Half* per_256 = nullptr;
+  int64_t per_256_stride = 0;
+
+  ScaleRows at(int64_t row_group) const {
+    return {p + row_group * stride, stride, per_256 ? per_256 + row_group * per_256_stride : nullptr, per_256_stride};
+  }
+  // The V::kRowGroups row groups' scales of sub-block i, of sub_blocks_per_256 in a super-block.
+  template <typename V>
+  typename V::Float load(int64_t i, int64_t sub_blocks_per_256) const {
+    if constexpr (std::is_integral_v<Scale>) return V::mul(V::scales(p + i * 8, stride), V::scales(per_256 + i / sub_blocks_per_256 * 8, per_256_stride));
+    else return V::scales(p + i * 8, stride);
+  }
+};
+
 // Where a tile's weights are: V::kRowGroups row groups from `weight` on, each `stride` bytes (and scales)
 // after the one before.
 template <typename Scale>
 struct RowGroups {
   const void* weight;
   int64_t stride;
-  const Scale* scale;
-  const Scale* offset;  // q4 only
-  int64_t scale_stride;
+  ScaleRows<Scale> scale;
+  ScaleRows<Scale> offset;  // q4 only
 };
 
 // q4: kRows activation rows against V::kRowGroups groups of 8 interleaved weight rows (see the layout above), 8
@@ -354,7 +378,7 @@ void q4_rows(const Activations& x, const RowGroups<Scale>& w, float* y, int64_t 
         dot[r].add(low, V::broadcast(four_bytes(xb + 4 * p)), high, V::broadcast(four_bytes(xb + 16 + 4 * p)));
       }
     }
-    const typename V::Float d = V::scales(w.scale + g * 8, w.scale_stride), m = V::scales(w.offset + g * 8, w.scale_stride);
+    const typename V::Float d = w.scale.template load<V>(g, 8), m = w.offset.template load<V>(g, 8);
     for (int r = 0; r < kRows; ++r) {
       acc[r] = V::fmadd(dot[r].floats(), V::mul(d, V::splat(x.scale[r * x.groups + g])), acc[r]);
       acc[r] = V::fmadd(m, V::splat(x.sum[r * x.groups + g]), acc[r]);
@@ -380,7 +404,7 @@ void q8_rows(const Activations& x, const RowGroups<Scale>& w, float* y, int64_t 
         const Q8Weights<V> weights(V::load(wb + 32 * c, w.stride));
         for (int r = 0; r < kRows; ++r) dot[r].add(weights, V::broadcast(four_bytes(x.q + r * x.k + g * kBlock + 4 * c)));
       }
-      const typename V::Float d = V::scales(w.scale + (g * kSubBlocks + sub) * 8, w.scale_stride);
+      const typename V::Float d = w.scale.template load<V>(g * kSubBlocks + sub, 8 * kSubBlocks);
       for (int r = 0; r < kRows; ++r) {
         const int32_t* half = x.half_sums + 2 * (r * x.groups + g);
         const int32_t x_sum = kSubBlocks == 2 ? half[sub] : half[0] + half[1];
@@ -433,7 +457,7 @@ void q5_rows(const Activations& x, const RowGroups<Scale>& w, float* y, int64_t 
         dot[r].add(low, V::broadcast(four_bytes(xb + 4 * p)), high, V::broadcast(four_bytes(xb + 16 + 4 * p)));
       }
     }
-    const typename V::Float d = V::scales(w.scale + g * 8, w.scale_stride);
+    const typename V::Float d = w.scale.template load<V>(g, 8);
     for (int r = 0; r < kRows; ++r) {
       const int32_t* half = x.half_sums + 2 * (r * x.groups + g);
       acc[r] = V::fmadd(dot[r].floats(half[0] + half[1]), V::mul(d, V::splat(x.scale[r * x.groups + g])), acc[r]);
@@ -527,33 +551,87 @@ void check_weight(const at::Tensor& weight, int64_t k, at::ScalarType type, cons
 }
 
 void check_scales(const at::Tensor& t, at::IntArrayRef shape, const char* name, at::ScalarType type) {
-  TORCH_CHECK(t.scalar_type() == type && t.is_contiguous(), name, " must be contiguous and of the scales' type (float16 or float32)");
+  TORCH_CHECK(t.scalar_type() == type && t.is_contiguous(), name, " must be contiguous and of the scales' type");
   TORCH_CHECK(t.sizes() == shape, name, " must have shape ", shape, ", got ", t.sizes());
 }
 
-// Calls fn(Scale{}) with Scale = at::Half or float, the scales' storage type.
+using Per256 = std::optional<at::Tensor>;
+
+// Calls fn(Scale{}) with Scale = at::Half or float, or uint8_t / int8_t for the K-quants' integers, which come with
+// their float16s per 256 weights (per_256 [N / 8, K / 256, 8]) and only then.
 template <typename Fn>
-void with_scale_type(const at::Tensor& scale, Fn&& fn) {
-  TORCH_CHECK(scale.scalar_type() == at::kHalf || scale.scalar_type() == at::kFloat, "scales must be float16 or float32");
-  if (scale.scalar_type() == at::kHalf) fn(at::Half{});
-  else fn(float{});
+void with_scale_type(const at::Tensor& scale, const Per256& per_256, Fn&& fn) {
+  const at::ScalarType type = scale.scalar_type();
+  const bool integers = type == at::kByte || type == at::kChar;
+  TORCH_CHECK(integers || type == at::kHalf || type == at::kFloat, "scales must be float16, float32, uint8 or int8");
+  TORCH_CHECK(integers == per_256.has_value(), integers ? "uint8 or int8 scales need their float16 factors per 256 weights"
+                                                         : "float scales take no factors per 256 weights");
+  if (integers) {
+    const at::Tensor& f = *per_256;
+    TORCH_CHECK(f.scalar_type() == at::kHalf && f.is_contiguous() && f.dim() == 3 && f.size(0) == scale.size(0) && f.size(2) == 8 &&
+                    f.size(1) * 8 == scale.size(1),
+                "factors per 256 weights must be a contiguous float16 [N / 8, K / 256, 8] tensor, got ", f.sizes());
+  }
+  if (type == at::kHalf) fn(at::Half{});
+  else if (type == at::kFloat) fn(float{});
+  else if (type == at::kByte) fn(uint8_t{});
+  else fn(int8_t{});
+}
+
+// Scales (or offsets) [N / 8, K / 32, per_group] of Scale, and their factors, from row group 0.
+template <typename Scale>
+ScaleRows<Scale> scale_rows(const at::Tensor& t, const Per256& per_256) {
+  ScaleRows<Scale> rows{t.data_ptr<Scale>(), t.size(1) * t.size(2)};
+  if (per_256) rows.per_256 = per_256->data_ptr<at::Half>(), rows.per_256_stride = per_256->size(1) * 8;
+  return rows;
+}
+
+// Many activation rows (prefill) multiply each scale into many tiles of 4 rows: K-quant scales are then multiplied
+// out into float32 once per call instead of once per tile (which made a Q4_K or Q6_K product 6-12% slower at 1,024
+// rows). The same floats either way. Calls product(scales, offsets) with the ScaleRows to use.
+template <typename Scale, typename Fn>
+void with_scales_for(int64_t m, int64_t row_groups, int64_t sub_blocks_per_256, const ScaleRows<Scale>& s, const ScaleRows<Scale>& o, Fn&& product) {
+  if constexpr (std::is_integral_v<Scale>) {
+    if (m >= kWideMinRows) {
+      thread_local std::vector<float> buffers[2];
+      ScaleRows<float> out[2];
+      for (int t = 0; t < 2; ++t) {
+        const ScaleRows<Scale>& in = t == 0 ? s : o;
+        if (in.p == nullptr) continue;  // q8: no offsets
+        buffers[t].resize(row_groups * in.stride);
+        float* dst = buffers[t].data();
+        parallel_chunks(row_groups, chunk_size(row_groups, 16), [&](int64_t begin, int64_t end) {
+          for (int64_t rg = begin; rg < end; ++rg)
+            for (int64_t i = 0; i < in.stride / 8; ++i) Lanes8::store(dst + rg * in.stride + i * 8, in.at(rg).template load<Lanes8>(i, sub_blocks_per_256));
+        });
+        out[t] = {dst, in.stride};
+      }
+      return product(out[0], out[1]);
+    }
+  }
+  product(s, o);
 }
 
 template <Gate kGate>
-at::Tensor q4_product(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& offset) {
+at::Tensor q4_product(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& offset, const Per256& scale_per_256,
+                      const Per256& offset_per_256) {
   const int64_t groups = check_activations(x, kGate != Gate::kNone) / kBlock;
   check_weight(weight, groups * kBlock, at::kByte, "uint8", kQ4GroupBytes);
   check_scales(scale, {weight.size(0), groups, 8}, "scales", scale.scalar_type());
   check_scales(offset, {weight.size(0), groups, 8}, "offsets", scale.scalar_type());
+  TORCH_CHECK(scale_per_256.has_value() == offset_per_256.has_value(), "scales and offsets must both have factors per 256 weights, or neither");
   at::Tensor y = at::empty({x.size(0), weight.size(0) * 8}, x.options());
   const uint8_t* w = weight.data_ptr<uint8_t>();
   const Activations activations = quantize_rows<kGate>(x);
-  with_scale_type(scale, [&](auto type) {
+  with_scale_type(scale, scale_per_256, [&](auto type) {
     using Scale = decltype(type);
-    const Scale *s = scale.data_ptr<Scale>(), *o = offset.data_ptr<Scale>();
-    matmul_row_groups(activations, x.size(0), weight.size(0), y.data_ptr<float>(), [&](auto lanes, const Activations& tile, int64_t rg, auto k_rows, float* out, int64_t n) {
-      const RowGroups<Scale> at{w + rg * groups * kQ4GroupBytes, groups * kQ4GroupBytes, s + rg * groups * 8, o + rg * groups * 8, groups * 8};
-      q4_rows<decltype(lanes), decltype(k_rows)::value>(tile, at, out, n);
+    const ScaleRows<Scale> s = scale_rows<Scale>(scale, scale_per_256), o = scale_rows<Scale>(offset, offset_per_256);
+    with_scales_for(x.size(0), weight.size(0), 8, s, o, [&](const auto& scales, const auto& offsets) {
+      using Used = std::remove_cv_t<std::remove_pointer_t<decltype(scales.p)>>;
+      matmul_row_groups(activations, x.size(0), weight.size(0), y.data_ptr<float>(), [&](auto lanes, const Activations& tile, int64_t rg, auto k_rows, float* out, int64_t n) {
+        const RowGroups<Used> at{w + rg * groups * kQ4GroupBytes, groups * kQ4GroupBytes, scales.at(rg), offsets.at(rg)};
+        q4_rows<decltype(lanes), decltype(k_rows)::value>(tile, at, out, n);
+      });
     });
   });
   return y;
@@ -561,19 +639,19 @@ at::Tensor q4_product(const at::Tensor& x, const at::Tensor& weight, const at::T
 
 // y [m, row_groups * 8] = x W^T for q8 weights w [row_groups, groups, 256] and scales [row_groups, groups, per_group].
 template <typename Scale>
-void q8_matmul_into(const Activations& x, int64_t m, const int8_t* w, int64_t row_groups, const Scale* s, int64_t per_group, float* y) {
+void q8_matmul_into(const Activations& x, int64_t m, const int8_t* w, int64_t row_groups, const ScaleRows<Scale>& s, int64_t per_group, float* y) {
   const int64_t groups = x.groups;
   matmul_row_groups(x, m, row_groups, y, [&](auto lanes, const Activations& tile, int64_t rg, auto k_rows, float* out, int64_t n) {
     using V = decltype(lanes);
     constexpr int kRows = decltype(k_rows)::value;
-    const RowGroups<Scale> at{w + rg * groups * kQ8GroupBytes, groups * kQ8GroupBytes, s + rg * groups * per_group, nullptr, groups * per_group};
+    const RowGroups<Scale> at{w + rg * groups * kQ8GroupBytes, groups * kQ8GroupBytes, s.at(rg), {}};
     if (per_group == 16) q8_rows<V, kRows, Scale, 2>(tile, at, out, n);
     else q8_rows<V, kRows, Scale, 1>(tile, at, out, n);
   });
 }
 
 template <Gate kGate>
-at::Tensor q8_product(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
+at::Tensor q8_product(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const Per256& scale_per_256) {
   const int64_t groups = check_activations(x, kGate != Gate::kNone) / kBlock;
   check_weight(weight, groups * kBlock, at::kChar, "int8", kQ8GroupBytes);
   TORCH_CHECK(scale.dim() == 3 && (scale.size(2) == 8 || scale.size(2) == 16), "scales must be [N / 8, K / 32, 8 or 16]");
@@ -581,9 +659,11 @@ at::Tensor q8_product(const at::Tensor& x, const at::Tensor& weight, const at::T
   check_scales(scale, {weight.size(0), groups, per_group}, "scales", scale.scalar_type());
   at::Tensor y = at::empty({x.size(0), weight.size(0) * 8}, x.options());
   const Activations activations = quantize_rows<kGate>(x);
-  with_scale_type(scale, [&](auto type) {
+  with_scale_type(scale, scale_per_256, [&](auto type) {
     using Scale = decltype(type);
-    q8_matmul_into(activations, x.size(0), weight.data_ptr<int8_t>(), weight.size(0), scale.data_ptr<Scale>(), per_group, y.data_ptr<float>());
+    with_scales_for(x.size(0), weight.size(0), per_group, scale_rows<Scale>(scale, scale_per_256), ScaleRows<Scale>{}, [&](const auto& scales, const auto&) {
+      q8_matmul_into(activations, x.size(0), weight.data_ptr<int8_t>(), weight.size(0), scales, per_group, y.data_ptr<float>());
+    });
   });
   return y;
 }
@@ -596,9 +676,9 @@ at::Tensor q5_product(const at::Tensor& x, const at::Tensor& weight, const at::T
   at::Tensor y = at::empty({m, row_groups * 8}, x.options());
   const uint8_t* w = weight.data_ptr<uint8_t>();
   const Activations activations = quantize_rows<kGate>(x);
-  with_scale_type(scale, [&](auto type) {
+  with_scale_type(scale, std::nullopt, [&](auto type) {
     using Scale = decltype(type);
-    const Scale* s = scale.data_ptr<Scale>();
+    const ScaleRows<Scale> s = scale_rows<Scale>(scale, std::nullopt);
     if (m >= kWideMinRows) {  // bound by multiply-adds: q8's kernel on the weights widened once
       thread_local std::vector<int8_t> widened;
       widened.resize(row_groups * groups * kQ8GroupBytes);
@@ -607,19 +687,20 @@ at::Tensor q5_product(const at::Tensor& x, const at::Tensor& weight, const at::T
       return;
     }
     matmul_row_groups(activations, m, row_groups, y.data_ptr<float>(), [&](auto lanes, const Activations& tile, int64_t rg, auto k_rows, float* out, int64_t n) {
-      const RowGroups<Scale> at{w + rg * groups * kQ5GroupBytes, groups * kQ5GroupBytes, s + rg * groups * 8, nullptr, groups * 8};
+      const RowGroups<Scale> at{w + rg * groups * kQ5GroupBytes, groups * kQ5GroupBytes, s.at(rg), {}};
       q5_rows<decltype(lanes), decltype(k_rows)::value>(tile, at, out, n);
     });
   });
   return y;
 }
 
-at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& offset) {
-  return q4_product<Gate::kNone>(x, weight, scale, offset);
+at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& offset, const Per256& scale_per_256,
+                     const Per256& offset_per_256) {
+  return q4_product<Gate::kNone>(x, weight, scale, offset, scale_per_256, offset_per_256);
 }
 
-at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
-  return q8_product<Gate::kNone>(x, weight, scale);
+at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const Per256& scale_per_256) {
+  return q8_product<Gate::kNone>(x, weight, scale, scale_per_256);
 }
 
 at::Tensor q5_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
@@ -635,12 +716,13 @@ at::Tensor with_gate(c10::string_view activation, Fn&& fn) {
 }
 
 // (act(gate) * up) W^T for gate_up = [gate | up] [M, 2K]: a gated MLP's down projection.
-at::Tensor q4_gated_matmul(const at::Tensor& gate_up, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& offset, c10::string_view activation) {
-  return with_gate(activation, [&](auto gate) { return q4_product<decltype(gate)::value>(gate_up, weight, scale, offset); });
+at::Tensor q4_gated_matmul(const at::Tensor& gate_up, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& offset, c10::string_view activation,
+                           const Per256& scale_per_256, const Per256& offset_per_256) {
+  return with_gate(activation, [&](auto gate) { return q4_product<decltype(gate)::value>(gate_up, weight, scale, offset, scale_per_256, offset_per_256); });
 }
 
-at::Tensor q8_gated_matmul(const at::Tensor& gate_up, const at::Tensor& weight, const at::Tensor& scale, c10::string_view activation) {
-  return with_gate(activation, [&](auto gate) { return q8_product<decltype(gate)::value>(gate_up, weight, scale); });
+at::Tensor q8_gated_matmul(const at::Tensor& gate_up, const at::Tensor& weight, const at::Tensor& scale, c10::string_view activation, const Per256& scale_per_256) {
+  return with_gate(activation, [&](auto gate) { return q8_product<decltype(gate)::value>(gate_up, weight, scale, scale_per_256); });
 }
 
 at::Tensor q5_gated_matmul(const at::Tensor& gate_up, const at::Tensor& weight, const at::Tensor& scale, c10::string_view activation) {
@@ -650,11 +732,11 @@ at::Tensor q5_gated_matmul(const at::Tensor& gate_up, const at::Tensor& weight, 
 }  // namespace
 
 TORCH_LIBRARY(tokenloop, m) {
-  m.def("q4_matmul(Tensor x, Tensor weight, Tensor scale, Tensor offset) -> Tensor");
-  m.def("q8_matmul(Tensor x, Tensor weight, Tensor scale) -> Tensor");
+  m.def("q4_matmul(Tensor x, Tensor weight, Tensor scale, Tensor offset, Tensor? scale_per_256=None, Tensor? offset_per_256=None) -> Tensor");
+  m.def("q8_matmul(Tensor x, Tensor weight, Tensor scale, Tensor? scale_per_256=None) -> Tensor");
   m.def("q5_matmul(Tensor x, Tensor weight, Tensor scale) -> Tensor");
-  m.def("q4_gated_matmul(Tensor gate_up, Tensor weight, Tensor scale, Tensor offset, str activation) -> Tensor");
-  m.def("q8_gated_matmul(Tensor gate_up, Tensor weight, Tensor scale, str activation) -> Tensor");
+  m.def("q4_gated_matmul(Tensor gate_up, Tensor weight, Tensor scale, Tensor offset, str activation, Tensor? scale_per_256=None, Tensor? offset_per_256=None) -> Tensor");
+  m.def("q8_gated_matmul(Tensor gate_up, Tensor weight, Tensor scale, str activation, Tensor? scale_per_256=None) -> Tensor");
   m.def("q5_gated_matmul(Tensor gate_up, Tensor weight, Tensor scale, str activation) -> Tensor");
 }
 

@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 import torch
 
-from tokenloop.models.quant import GROUP_SIZE, Int4Tensor, Int8Tensor, QuantLayout
+from tokenloop.models.quant import GROUP_SIZE, FactoredScales, Int4Tensor, Int8Tensor, QuantLayout
 
 T = gguf.GGMLQuantizationType
 QK_K = 256  # weights per K-quant super-block
@@ -49,18 +49,16 @@ def q4_0_or_1(tensor_type: gguf.GGMLQuantizationType) -> Callable[[np.ndarray], 
 def q4_k(data: np.ndarray) -> Int4Tensor:
     """Q4_K: super-blocks of 256 = float16 d and dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32,
     128 bytes of nibbles (32 bytes per pair of sub-blocks: low nibbles the first, high the second).
-    w = (d * sc) q - dmin * m: scale d * sc and offset -(dmin * m), float32 (exact: 11 bits times 6)."""
+    w = (d * sc) q - dmin * m: scale sc times d and offset m times -dmin, as the file holds them (FactoredScales)."""
     n = data.shape[0]
     blocks = _blocks(data, 2 + 2 + 12 + QK_K // 2)  # [N, S, 144]
-    d = _halves(blocks[..., 0:2]).astype(np.float32)[..., None]
-    dmin = _halves(blocks[..., 2:4]).astype(np.float32)[..., None]
+    d, dmin = _halves(blocks[..., 0:2]), _halves(blocks[..., 2:4])  # [N, S]
     sc, m = gguf.quants.Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))
-    sc, m = sc.reshape(n, -1, 8), m.reshape(n, -1, 8)
     nibbles = blocks[..., 16:].reshape(n, -1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
     q = (nibbles & 0x0F).reshape(n, -1)
-    scales = (d * sc.astype(np.float32)).reshape(n, -1)
-    offsets = -(dmin * m.astype(np.float32)).reshape(n, -1)
-    return Int4Tensor(torch.from_numpy(q), torch.from_numpy(scales), torch.from_numpy(offsets))
+    scales = FactoredScales(torch.from_numpy(sc.reshape(n, -1).astype(np.uint8)), torch.from_numpy(d))
+    offsets = FactoredScales(torch.from_numpy(m.reshape(n, -1).astype(np.uint8)), torch.from_numpy(-dmin))
+    return Int4Tensor(torch.from_numpy(q), scales, offsets)
 
 
 def q8_0(data: np.ndarray) -> Int8Tensor:
@@ -85,16 +83,17 @@ def q5_0(data: np.ndarray) -> Int8Tensor:
 
 def q6_k(data: np.ndarray) -> Int8Tensor:
     """Q6_K: super-blocks of 256 = 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (one per 16
-    weights), float16 d. w = (d * sc) (q - 32): int8 q - 32 with a float32 scale per 16 (exact: 11 bits times 8)."""
+    weights), float16 d. w = (d * sc) (q - 32): int8 q - 32, and the file's int8 scales times its d (FactoredScales)."""
     n = data.shape[0]
     blocks = _blocks(data, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2).reshape(-1, 210)  # [N * S, 210]
     ql, qh = blocks[:, : QK_K // 2], blocks[:, QK_K // 2 : QK_K // 2 + QK_K // 4]
-    sc = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)
-    d = _halves(blocks[:, 208:210]).astype(np.float32)[:, None]
+    sc = blocks[:, 192:208].copy().view(np.int8)
+    d = _halves(blocks[:, 208:210])
     low = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
     high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
     q = (low.reshape(-1, 8, 32) | (high.reshape(-1, 8, 32) << 4)).astype(np.int8) - np.int8(32)
-    return Int8Tensor(torch.from_numpy(q.reshape(n, -1)), torch.from_numpy((d * sc).reshape(n, -1)))
+    scales = FactoredScales(torch.from_numpy(sc.reshape(n, -1)), torch.from_numpy(d.reshape(n, -1)))
+    return Int8Tensor(torch.from_numpy(q.reshape(n, -1)), scales)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,12 +102,12 @@ class GGMLFormat:
     layout: QuantLayout  # what convert returns, known before any weight is read (the model is built first)
 
 
-F16, F32 = torch.float16, torch.float32
+F16 = torch.float16
 GGML_FORMATS: dict[gguf.GGMLQuantizationType, GGMLFormat] = {
     T.Q4_0: GGMLFormat(q4_0_or_1(T.Q4_0), QuantLayout(4, F16)),
     T.Q4_1: GGMLFormat(q4_0_or_1(T.Q4_1), QuantLayout(4, F16)),
-    T.Q4_K: GGMLFormat(q4_k, QuantLayout(4, F32)),
+    T.Q4_K: GGMLFormat(q4_k, QuantLayout(4, torch.uint8)),
     T.Q8_0: GGMLFormat(q8_0, QuantLayout(8, F16)),
     T.Q5_0: GGMLFormat(q5_0, QuantLayout(5, F16)),
-    T.Q6_K: GGMLFormat(q6_k, QuantLayout(8, F32, group=16)),
+    T.Q6_K: GGMLFormat(q6_k, QuantLayout(8, torch.int8, group=16)),
 }

@@ -1,7 +1,8 @@
 """Weights that stay quantized: GGUF blocks mapped exactly onto the two forms tokenloop's CPU kernel computes.
 
 - int4, one scale and one offset per group of 32 along K: w = q * scale + offset, q in 0..15. Q4_1 is
-  w = q * d + m, Q4_0 is (q - 8) * d, Q4_K is d * sc * q - dmin * m per sub-block of 32.
+  w = q * d + m, Q4_0 is (q - 8) * d, Q4_K is d * sc * q - dmin * m per sub-block of 32 (its scales and offsets
+  held as the file holds them: 6-bit integers times a float16 per 256 weights, `FactoredScales`).
 - int8, one scale per group of 32 (or 16) along K: w = q * scale. Q8_0 is q * d, Q6_K is d * sc * (q - 32) per
   group of 16.
 - int5, int8 values in -16..15 held in 5 bits (nibbles and fifth bits, as the file has them): Q5_0, (q - 16) * d.
@@ -23,14 +24,26 @@ INTERLEAVED_ROWS = 8  # the int4 kernel's weight rows come in interleaved groups
 LOW_PRECISION_MAX_ROWS = 16
 
 
+SUPER_BLOCK = 256  # weights per K-quant super-block: one float16 scale (and min) each
+FACTORED_DTYPES = (torch.uint8, torch.int8)  # scale dtypes that are integers times a float16 per super-block
+
+
 @dataclass(frozen=True, slots=True)
 class QuantLayout:
-    """How a weight is held: its bits, its scales' dtype (float16 as a file's, or float32 for a K-quant's
-    float16 times an integer) and the weights per scale. Shards packed into one module must share it."""
+    """How a weight is held: its bits, its scales' dtype (float16 as a file's; float32; or uint8 / int8 for a
+    K-quant's small integers times a float16 per 256 weights, FactoredScales) and the weights per scale. Shards
+    packed into one module must share it."""
 
     bits: int  # 4 (with offsets), 5 or 8
     scale_dtype: torch.dtype
     group: int = GROUP_SIZE  # 32, or 16 (int8 only)
+
+    @property
+    def factored(self) -> bool:
+        return self.scale_dtype in FACTORED_DTYPES
+
+    def describe_scales(self) -> str:
+        return f"{self.scale_dtype} scales" + (" times a float16 per 256" if self.factored else "")
 
     def widened(self) -> QuantLayout:
         """The layout that also holds this one's weights exactly: 5 bits widen to 8 (a module whose shards come
@@ -39,12 +52,40 @@ class QuantLayout:
 
 
 @dataclass(slots=True)
+class FactoredScales:
+    """Scales (or offsets) as a K-quant file holds them: small integers, one per 16 or 32 weights, times a float16
+    per 256 weights. Each product is exact in float32 (11 bits times at most 8), so `float()` gives the same values
+    a float32 copy would hold, in a fifth to a quarter of the bytes."""
+
+    sub: torch.Tensor  # [N, K / group] uint8 (Q4_K's 6-bit scales and mins) or int8 (Q6_K's scales)
+    per_256: torch.Tensor  # [N, K / 256] float16 (d, or -dmin for offsets)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.sub.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.sub.dtype
+
+    def float(self) -> torch.Tensor:
+        per_super = self.sub.shape[1] // self.per_256.shape[1]
+        return self.per_256.float().repeat_interleave(per_super, dim=1) * self.sub.float()
+
+    def __getitem__(self, rows: slice | torch.Tensor) -> FactoredScales:
+        return FactoredScales(self.sub[rows], self.per_256[rows])
+
+
+Scales = torch.Tensor | FactoredScales
+
+
+@dataclass(slots=True)
 class Int4Tensor:
     """A [N, K] weight as 4-bit integers with one scale and zero per group of 32 along K."""
 
     q: torch.Tensor  # [N, K] uint8 in 0..15
-    scales: torch.Tensor  # [N, K / 32] float16 (as in the file) or float32
-    offsets: torch.Tensor  # [N, K / 32], the scales' dtype
+    scales: Scales  # [N, K / 32] float16 (as in the file), float32 or factored
+    offsets: Scales  # [N, K / 32], as the scales
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -63,7 +104,7 @@ class Int4Tensor:
         return Int4Tensor(self.q[rows], self.scales[rows], self.offsets[rows])
 
 
-def dequantize_into(out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def dequantize_into(out: torch.Tensor, q: torch.Tensor, scales: Scales, offsets: Scales) -> torch.Tensor:
     """out [N, groups, j] = offset + q * scale in float32: q * scale is exact (a float16 d, or d times a 6-bit
     integer, times 4 bits), so each weight is rounded once, as in gguf's own dequantization (bit for bit)."""
     return torch.addcmul(offsets.float()[..., None], q, scales.float()[..., None], out=out)
@@ -74,7 +115,7 @@ class Int8Tensor:
     """A [N, K] weight as int8 with one scale per group of 32 (or 16) along K: w = q * scale."""
 
     q: torch.Tensor  # [N, K] int8
-    scales: torch.Tensor  # [N, K / group] float16 (as in the file) or float32
+    scales: Scales  # [N, K / group] float16 (as in the file), float32 or factored
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -122,6 +163,12 @@ class QuantizedModule(nn.Module):
         # [row group, group, sub-block, row in group] flattened: the 8 rows' scales of each sub-block in turn
         self.register_buffer("scales", torch.zeros(row_groups, groups, self.sub_blocks * INTERLEAVED_ROWS, dtype=layout.scale_dtype))
         self.register_buffer("offsets", torch.zeros_like(self.scales) if offsets else None)
+        # Factored scales: [row group, super-block, row in group] float16, the 8 rows' per-256 factor of each
+        if layout.factored and cols % SUPER_BLOCK:
+            raise ValueError(f"{type(self).__name__} with K-quant scales needs a row length divisible by {SUPER_BLOCK}, got {cols}")
+        per_256 = (lambda: torch.zeros(row_groups, cols // SUPER_BLOCK, INTERLEAVED_ROWS, dtype=torch.float16)) if layout.factored else (lambda: None)
+        self.register_buffer("scales_per_256", per_256())
+        self.register_buffer("offsets_per_256", per_256() if offsets else None)
 
     @property
     def weight_shape(self) -> tuple[int, int]:
@@ -138,23 +185,33 @@ class QuantizedModule(nn.Module):
         row_groups, groups, _ = buffer.shape
         return buffer.view(row_groups, groups, self.sub_blocks, INTERLEAVED_ROWS).permute(0, 3, 1, 2)
 
-    def _store_rows(self, rows: slice, blocks: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None) -> None:
+    def _scale_buffers(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(scales, their per-256 factors or None), and the same for offsets where the form has them."""
+        pairs = [(self.scales, self.scales_per_256)]
+        return pairs if self.offsets is None else [*pairs, (self.offsets, self.offsets_per_256)]
+
+    def _store_rows(self, rows: slice, blocks: torch.Tensor, scales: Scales, offsets: Scales | None) -> None:
         """Write rows given as [n, groups, block_bytes] bytes and [n, groups * sub-blocks] scales (and offsets)."""
         index = torch.arange(self.rows)[rows]
         at = (index // INTERLEAVED_ROWS, index % INTERLEAVED_ROWS)
         self._blocks()[at] = blocks.reshape(len(index), -1, self.block_bytes // 4, 4)
-        for buffer, values in ((self.scales, scales), (self.offsets, offsets)):
-            if buffer is not None:
-                self._per_row(buffer)[at] = values.reshape(len(index), -1, self.sub_blocks).to(buffer.dtype)
+        for (buffer, per_256), values in zip(self._scale_buffers(), (scales, offsets)):
+            if per_256 is not None:  # the factored form's integers here, its float16 factors there
+                per_256.permute(0, 2, 1)[at] = values.per_256
+                values = values.sub
+            self._per_row(buffer)[at] = values.reshape(len(index), -1, self.sub_blocks).to(buffer.dtype)
 
-    def _read_rows(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _read_rows(self, index: torch.Tensor) -> tuple[torch.Tensor, Scales, Scales | None]:
         """Rows `index` (1-D) as [n, groups, block_bytes] bytes and [n, groups * sub-blocks] scales and offsets."""
         at = (index // INTERLEAVED_ROWS, index % INTERLEAVED_ROWS)
         blocks = self._blocks()[at].flatten(-2)
-        scales = [None if h is None else self._per_row(h)[at].flatten(-2) for h in (self.scales, self.offsets)]
+        scales: list[Scales | None] = [None, None]
+        for i, (buffer, per_256) in enumerate(self._scale_buffers()):
+            values = self._per_row(buffer)[at].flatten(-2)
+            scales[i] = values if per_256 is None else FactoredScales(values, per_256.permute(0, 2, 1)[at])
         return blocks, scales[0], scales[1]
 
-    def _all_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _all_rows(self) -> tuple[torch.Tensor, Scales, Scales | None]:
         return self._read_rows(torch.arange(self.rows, device=self.qweight.device))
 
     def _drop_padding(self, y: torch.Tensor) -> torch.Tensor:
@@ -173,10 +230,11 @@ class QuantizedModule(nn.Module):
         (act(gate) * up) W^T (+ b) for x = [gate | up]."""
         ops, xf = torch.ops.tokenloop, x.float().contiguous()
         weights = (self.qweight, self.scales) if self.offsets is None else (self.qweight, self.scales, self.offsets)
+        factors = tuple(f for _, f in self._scale_buffers() if f is not None)  # the factored form's per-256 floats
         if activation is None:
-            y = getattr(ops, f"{self.kernel}_matmul")(xf, *weights)
+            y = getattr(ops, f"{self.kernel}_matmul")(xf, *weights, *factors)
         else:
-            y = getattr(ops, f"{self.kernel}_gated_matmul")(xf, *weights, activation)
+            y = getattr(ops, f"{self.kernel}_gated_matmul")(xf, *weights, activation, *factors)
         y = self._drop_padding(y).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
@@ -211,7 +269,7 @@ class Int4Linear(QuantizedModule):
         return F.linear(x, self.weight_int4().dequantize().to(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int4 group {GROUP_SIZE}, {self.layout.scale_dtype} scales"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int4 group {GROUP_SIZE}, {self.layout.describe_scales()}"
 
 
 class Int8Weights(QuantizedModule):
@@ -245,7 +303,7 @@ class Int8Linear(Int8Weights):
         return self.product(x)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8 group {self.layout.group}, {self.layout.scale_dtype} scales"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8 group {self.layout.group}, {self.layout.describe_scales()}"
 
 
 class Int5Linear(Int8Linear):
@@ -278,7 +336,7 @@ class Int5Linear(Int8Linear):
         return Int8Tensor((u.view(torch.int8) - 16).view(self.rows, self.cols), scales)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int5 group {GROUP_SIZE}, {self.layout.scale_dtype} scales"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int5 group {GROUP_SIZE}, {self.layout.describe_scales()}"
 
 
 class Int8Embedding(Int8Weights):
