@@ -49,18 +49,26 @@ def test_quantized_modules_run_the_kernel_where_it_can_and_float32_otherwise(cpu
         torch.testing.assert_close(head.logits(x), expected_logits)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
-def test_fast_path_keeps_gguf_4bit_linears_and_stays_close_to_float32(tiny_model, tmp_path, qtype):  # noqa: F811
+@pytest.mark.parametrize("qtype,cls", [(Q.Q4_0, Int4Linear), (Q.Q4_1, Int4Linear), (Q.Q5_0, Int5Linear)], ids=lambda v: getattr(v, "name", None) or v.__name__)
+def test_fast_path_keeps_gguf_4_and_5_bit_linears_and_stays_close_to_float32(tiny_model, tmp_path, qtype, cls):  # noqa: F811
     arch, model = tiny_model
     path = write_gguf(model, arch, tmp_path / "m.gguf", qtype)
     exact = load_model(path, torch.float32, torch.device("cpu"), load_tokenizer=False)
     fast = load_model(path, torch.float32, torch.device("cpu"), load_tokenizer=False, keep_quantized=True)
-    int4 = [m for m in fast.model.modules() if isinstance(m, Int4Linear)]
-    assert len(int4) == 4 * len(fast.model.layers)  # qkv, o, gate_up, down in every layer
+    held = [m for m in fast.model.modules() if isinstance(m, cls)]
+    assert len(held) == 4 * len(fast.model.layers)  # qkv, o, gate_up, down in every layer
+    weight = lambda linear: linear.weight_int4() if cls is Int4Linear else linear.weight_int8()  # noqa: E731
     for layer_exact, layer_fast in zip(exact.model.layers, fast.model.layers):
-        assert torch.equal(layer_fast.self_attn.qkv_proj.weight_int4().dequantize(), layer_exact.self_attn.qkv_proj.weight)
-    # The int4 kernel (int8 activations) where it runs, dense float32 on the same weights otherwise; whole
-    # prompt at once (prefill) or one token at a time (decode).
+        assert torch.equal(weight(layer_fast.self_attn.qkv_proj).dequantize(), layer_exact.self_attn.qkv_proj.weight)
+        assert torch.equal(weight(layer_fast.mlp.gate_up_proj).dequantize(), layer_exact.mlp.gate_up_proj.weight)
+    # A tied Q5_0 embedding is the LM head read as int8 (exact: there is no 5-bit embedding form); a 4-bit one is not.
+    tied_int8 = fast.config.tie_word_embeddings and qtype == Q.Q5_0
+    assert isinstance(fast.model.embed_tokens, Int8Embedding) == tied_int8
+    if tied_int8:
+        assert fast.model.lm_head is fast.model.embed_tokens
+        assert torch.equal(fast.model.embed_tokens.weight_int8().dequantize(), exact.model.embed_tokens.weight)
+    # The kernel (int8 activations) where it runs, dense float32 on the same weights otherwise; whole prompt at
+    # once (prefill) or one token at a time (decode).
     expected = forward_in_chunks(exact, TOKENS, [len(TOKENS)])
     for chunks in ([len(TOKENS)], [1] * len(TOKENS)):
         torch.testing.assert_close(forward_in_chunks(fast, TOKENS, chunks), expected, atol=0.05, rtol=0)
@@ -78,23 +86,6 @@ def test_fast_path_keeps_a_tied_q8_0_embedding_as_the_int8_lm_head(tiny_model, t
         assert torch.equal(fast.model.embed_tokens.weight_int8().dequantize(), exact.model.embed_tokens.weight)
     expected = forward_in_chunks(exact, TOKENS, [len(TOKENS)])
     torch.testing.assert_close(forward_in_chunks(fast, TOKENS, [1] * len(TOKENS)), expected, atol=0.05, rtol=0)
-
-
-def test_fast_path_keeps_q5_0_in_five_bits_and_a_tied_q5_0_embedding_as_int8(tiny_model, tmp_path):  # noqa: F811
-    arch, model = tiny_model
-    path = write_gguf(model, arch, tmp_path / "m.gguf", Q.Q5_0)
-    exact = load_model(path, torch.float32, torch.device("cpu"), load_tokenizer=False)
-    fast = load_model(path, torch.float32, torch.device("cpu"), load_tokenizer=False, keep_quantized=True)
-    int5 = [m for m in fast.model.modules() if isinstance(m, Int5Linear)]
-    assert len(int5) == 4 * len(fast.model.layers)  # qkv, o, gate_up, down in every layer
-    for layer_exact, layer_fast in zip(exact.model.layers, fast.model.layers):
-        assert torch.equal(layer_fast.mlp.gate_up_proj.weight_int8().dequantize(), layer_exact.mlp.gate_up_proj.weight)
-    if fast.config.tie_word_embeddings:  # the LM head reads Q5_0 as int8 (exact): no 5-bit embedding form
-        assert type(fast.model.embed_tokens) is Int8Embedding and fast.model.lm_head is fast.model.embed_tokens
-        assert torch.equal(fast.model.embed_tokens.weight_int8().dequantize(), exact.model.embed_tokens.weight)
-    expected = forward_in_chunks(exact, TOKENS, [len(TOKENS)])
-    for chunks in ([len(TOKENS)], [1] * len(TOKENS)):
-        torch.testing.assert_close(forward_in_chunks(fast, TOKENS, chunks), expected, atol=0.05, rtol=0)
 
 
 def test_int5_linear_refuses_weights_outside_five_bits():

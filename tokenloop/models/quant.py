@@ -148,27 +148,32 @@ class QuantizedModule(nn.Module):
     zero rows, whose outputs are dropped."""
 
     cpu_kernel = False  # set by use_cpu_kernel once the weights are loaded
-    kernel = "q8"  # the ops that multiply this form: torch.ops.tokenloop.{kernel}_matmul and _gated_matmul
+    # The form, set by each subclass: the ops that multiply it (torch.ops.tokenloop.{kernel}_matmul and
+    # _gated_matmul), the bytes one row's 32 weights take, their dtype, and whether it has offsets.
+    kernel = "q8"
+    block_bytes = GROUP_SIZE
+    qdtype = torch.int8
+    has_offsets = False
 
-    def __init__(self, rows: int, cols: int, block_bytes: int, qdtype: torch.dtype, offsets: bool, layout: QuantLayout, bias: bool = False) -> None:
+    def __init__(self, rows: int, cols: int, layout: QuantLayout, bias: bool = False) -> None:
         super().__init__()
         self.bias = nn.Parameter(torch.empty(rows)) if bias else None
         if cols % GROUP_SIZE:
             raise ValueError(f"{type(self).__name__} needs a row length divisible by {GROUP_SIZE}, got {cols}")
-        self.rows, self.cols, self.block_bytes = rows, cols, block_bytes  # block_bytes: one row's 32 weights
+        if layout.factored and cols % SUPER_BLOCK:
+            raise ValueError(f"{type(self).__name__} with K-quant scales needs a row length divisible by {SUPER_BLOCK}, got {cols}")
+        self.rows, self.cols = rows, cols
         self.layout = layout
         self.sub_blocks = GROUP_SIZE // layout.group  # scales per block of 32
         row_groups, groups = -(-rows // INTERLEAVED_ROWS), cols // GROUP_SIZE
-        self.register_buffer("qweight", torch.zeros(row_groups, groups, INTERLEAVED_ROWS * block_bytes, dtype=qdtype))
+        self.register_buffer("qweight", torch.zeros(row_groups, groups, INTERLEAVED_ROWS * self.block_bytes, dtype=self.qdtype))
         # [row group, group, sub-block, row in group] flattened: the 8 rows' scales of each sub-block in turn
         self.register_buffer("scales", torch.zeros(row_groups, groups, self.sub_blocks * INTERLEAVED_ROWS, dtype=layout.scale_dtype))
-        self.register_buffer("offsets", torch.zeros_like(self.scales) if offsets else None)
-        # Factored scales: [row group, super-block, row in group] float16, the 8 rows' per-256 factor of each
-        if layout.factored and cols % SUPER_BLOCK:
-            raise ValueError(f"{type(self).__name__} with K-quant scales needs a row length divisible by {SUPER_BLOCK}, got {cols}")
-        per_256 = (lambda: torch.zeros(row_groups, cols // SUPER_BLOCK, INTERLEAVED_ROWS, dtype=torch.float16)) if layout.factored else (lambda: None)
-        self.register_buffer("scales_per_256", per_256())
-        self.register_buffer("offsets_per_256", per_256() if offsets else None)
+        self.register_buffer("offsets", torch.zeros_like(self.scales) if self.has_offsets else None)
+        # Factored scales' float16s: [row group, super-block, row in group], the 8 rows' factor of each super-block
+        per_256 = torch.zeros(row_groups, cols // SUPER_BLOCK, INTERLEAVED_ROWS, dtype=torch.float16) if layout.factored else None
+        self.register_buffer("scales_per_256", per_256)
+        self.register_buffer("offsets_per_256", None if per_256 is None or not self.has_offsets else torch.zeros_like(per_256))
 
     @property
     def weight_shape(self) -> tuple[int, int]:
@@ -229,8 +234,9 @@ class QuantizedModule(nn.Module):
         """x W^T (+ b) through the kernel (cpu_kernel must be set) in x's dtype, or with an activation
         (act(gate) * up) W^T (+ b) for x = [gate | up]."""
         ops, xf = torch.ops.tokenloop, x.float().contiguous()
-        weights = (self.qweight, self.scales) if self.offsets is None else (self.qweight, self.scales, self.offsets)
-        factors = tuple(f for _, f in self._scale_buffers() if f is not None)  # the factored form's per-256 floats
+        buffers = self._scale_buffers()
+        weights = (self.qweight, *(values for values, _ in buffers))
+        factors = tuple(f for _, f in buffers if f is not None)  # the factored form's per-256 floats
         if activation is None:
             y = getattr(ops, f"{self.kernel}_matmul")(xf, *weights, *factors)
         else:
@@ -249,9 +255,12 @@ class Int4Linear(QuantizedModule):
     """y = x W^T (+ b) with W held as group-32 int4; loaded row block by row block (q/k/v, gate/up pack)."""
 
     kernel = "q4"
+    block_bytes = GROUP_SIZE // 2
+    qdtype = torch.uint8
+    has_offsets = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool, layout: QuantLayout = QuantLayout(4, torch.float16)) -> None:
-        super().__init__(out_features, in_features, GROUP_SIZE // 2, torch.uint8, offsets=True, layout=layout, bias=bias)
+        super().__init__(out_features, in_features, layout, bias)
         self.in_features, self.out_features = in_features, out_features
 
     def load_rows(self, rows: slice, weight: Int4Tensor) -> None:
@@ -276,7 +285,7 @@ class Int8Weights(QuantizedModule):
     """Rows of int8 weights with a scale per group of 32 (or 16), multiplied by the q8 kernel."""
 
     def __init__(self, rows: int, cols: int, layout: QuantLayout, bias: bool = False) -> None:
-        super().__init__(rows, cols, GROUP_SIZE, torch.int8, offsets=False, layout=layout, bias=bias)
+        super().__init__(rows, cols, layout, bias)
 
     def load_rows(self, rows: slice, weight: Int8Tensor) -> None:
         self._store_rows(rows, weight.q.view(weight.q.shape[0], -1, GROUP_SIZE), weight.scales, None)
@@ -293,7 +302,7 @@ class Int8Weights(QuantizedModule):
 
 
 class Int8Linear(Int8Weights):
-    """y = x W^T (+ b) with W held as int8 (GGUF Q8_0, Q5_0, Q6_K)."""
+    """y = x W^T (+ b) with W held as int8 (GGUF Q8_0, Q6_K, and Q5_0 packed with Q8_0 in one module)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, layout: QuantLayout = QuantLayout(8, torch.float16)) -> None:
         super().__init__(out_features, in_features, layout, bias)
@@ -313,10 +322,11 @@ class Int5Linear(Int8Linear):
     kernel's products are the same floats as int8's."""
 
     kernel = "q5"
+    block_bytes = GROUP_SIZE // 2 + GROUP_SIZE // 8
+    qdtype = torch.uint8
 
     def __init__(self, in_features: int, out_features: int, bias: bool, layout: QuantLayout = QuantLayout(5, torch.float16)) -> None:
-        QuantizedModule.__init__(self, out_features, in_features, GROUP_SIZE // 2 + GROUP_SIZE // 8, torch.uint8, offsets=False, layout=layout, bias=bias)
-        self.in_features, self.out_features = in_features, out_features
+        super().__init__(in_features, out_features, bias, layout)
 
     def load_rows(self, rows: slice, weight: Int8Tensor) -> None:
         q = weight.q.view(weight.q.shape[0], -1, GROUP_SIZE)
