@@ -239,6 +239,11 @@ def test_bad_shapes_raise_a_clear_error():
         torch.ops.tokenloop.q8_matmul(torch.randn(1, 64), torch.zeros(1, 2, 256, dtype=torch.int8), torch.zeros(1, 2, 8).half(), torch.zeros(1, 1, 8).half())
     with pytest.raises(RuntimeError, match=r"factors per 256 weights must be a contiguous float16 \[N / 8, K / 256, 8\] tensor"):
         torch.ops.tokenloop.q8_matmul(torch.randn(1, 256), torch.zeros(1, 8, 256, dtype=torch.int8), torch.zeros(1, 8, 8, dtype=torch.int8), torch.zeros(1, 2, 8).half())
+    q4k_scales, q4k_factors = torch.zeros(1, 8, 8, dtype=torch.uint8), torch.zeros(1, 1, 8).half()
+    with pytest.raises(RuntimeError, match=r"factors per 256 weights must be a contiguous float16 \[N / 8, K / 256, 8\] tensor, got \[1, 2, 8\]"):
+        torch.ops.tokenloop.q4_matmul(torch.randn(1, 256), torch.zeros(1, 8, 128, dtype=torch.uint8), q4k_scales, q4k_scales, q4k_factors, torch.zeros(1, 2, 8).half())
+    with pytest.raises(RuntimeError, match="uint8 or int8 scales need their float16 factors per 256 weights"):
+        torch.ops.tokenloop.q4_matmul(torch.randn(1, 256), torch.zeros(1, 8, 128, dtype=torch.uint8), q4k_scales, q4k_scales, q4k_factors)
 
 
 def isa_outputs() -> list[torch.Tensor]:

@@ -557,13 +557,10 @@ void check_scales(const at::Tensor& t, at::IntArrayRef shape, const char* name, 
 
 using Per256 = std::optional<at::Tensor>;
 
-// Calls fn(Scale{}) with Scale = at::Half or float, or uint8_t / int8_t for the K-quants' integers, which come with
-// their float16s per 256 weights (per_256 [N / 8, K / 256, 8]) and only then.
-template <typename Fn>
-void with_scale_type(const at::Tensor& scale, const Per256& per_256, Fn&& fn) {
-  const at::ScalarType type = scale.scalar_type();
-  const bool integers = type == at::kByte || type == at::kChar;
-  TORCH_CHECK(integers || type == at::kHalf || type == at::kFloat, "scales must be float16, float32, uint8 or int8");
+// Integer scales (or offsets) [N / 8, K / 32, ...] come with their float16 factors per 256 weights [N / 8, K / 256, 8];
+// float ones without.
+void check_per_256(const at::Tensor& scale, const Per256& per_256) {
+  const bool integers = scale.scalar_type() == at::kByte || scale.scalar_type() == at::kChar;
   TORCH_CHECK(integers == per_256.has_value(), integers ? "uint8 or int8 scales need their float16 factors per 256 weights"
                                                          : "float scales take no factors per 256 weights");
   if (integers) {
@@ -572,6 +569,16 @@ void with_scale_type(const at::Tensor& scale, const Per256& per_256, Fn&& fn) {
                     f.size(1) * 8 == scale.size(1),
                 "factors per 256 weights must be a contiguous float16 [N / 8, K / 256, 8] tensor, got ", f.sizes());
   }
+}
+
+// Calls fn(Scale{}) with Scale = at::Half or float, or uint8_t / int8_t for the K-quants' integers, which come with
+// their float16s per 256 weights (per_256 [N / 8, K / 256, 8]) and only then.
+template <typename Fn>
+void with_scale_type(const at::Tensor& scale, const Per256& per_256, Fn&& fn) {
+  const at::ScalarType type = scale.scalar_type();
+  const bool integers = type == at::kByte || type == at::kChar;
+  TORCH_CHECK(integers || type == at::kHalf || type == at::kFloat, "scales must be float16, float32, uint8 or int8");
+  check_per_256(scale, per_256);
   if (type == at::kHalf) fn(at::Half{});
   else if (type == at::kFloat) fn(float{});
   else if (type == at::kByte) fn(uint8_t{});
@@ -619,7 +626,7 @@ at::Tensor q4_product(const at::Tensor& x, const at::Tensor& weight, const at::T
   check_weight(weight, groups * kBlock, at::kByte, "uint8", kQ4GroupBytes);
   check_scales(scale, {weight.size(0), groups, 8}, "scales", scale.scalar_type());
   check_scales(offset, {weight.size(0), groups, 8}, "offsets", scale.scalar_type());
-  TORCH_CHECK(scale_per_256.has_value() == offset_per_256.has_value(), "scales and offsets must both have factors per 256 weights, or neither");
+  check_per_256(offset, offset_per_256);  // (its scales are checked with their type below)
   at::Tensor y = at::empty({x.size(0), weight.size(0) * 8}, x.options());
   const uint8_t* w = weight.data_ptr<uint8_t>();
   const Activations activations = quantize_rows<kGate>(x);
