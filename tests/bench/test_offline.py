@@ -28,3 +28,29 @@ def test_the_table_prints_tokenloop_over_peer_ratios():
     batched = next(line for line in table.splitlines() if line.startswith("8 concurrent"))
     assert batched.split()[-2:] == ["10.0", "8.00x"]  # against the peer's single stream: it serves one at a time
     assert "decode GB/s (memory copy: 20.0 GB/s)" in table
+
+
+def test_runs_go_in_rounds_of_one_run_per_engine(monkeypatch):
+    """Every engine once a round, in turn, each run a single repetition: a slow spell of the machine falls on all."""
+    from tokenloop.bench import offline
+
+    calls = []
+
+    def run(engine, cfg):
+        calls.append((engine, cfg.repeats))
+        return EngineResult(engine, decode_tps=float(len(calls)))
+
+    monkeypatch.setattr(offline, "run_engine", run)
+    results = offline.best_of_rounds(["tokenloop", "llama-bench"], BenchConfig("m.gguf", repeats=3))
+    assert calls == [("tokenloop", 1), ("llama-bench", 1)] * 3
+    assert [r.decode_tps for r in results] == [5.0, 6.0]  # each engine's best: its last round here
+
+
+def test_an_engines_runs_give_its_best_figures():
+    from tokenloop.bench.offline import best_result
+
+    runs = [EngineResult("e", decode_tps=10.0, prefill_tps=90.0, ttft_ms=30.0, batch_tps={"8": 5.0}, peak_rss_mib=100.0),
+            EngineResult("e", decode_tps=12.0, prefill_tps=80.0, ttft_ms=20.0, batch_tps={"8": 7.0}, peak_rss_mib=90.0)]
+    best = best_result(runs)
+    assert (best.decode_tps, best.prefill_tps, best.ttft_ms, best.batch_tps, best.peak_rss_mib) == (12.0, 90.0, 20.0, {"8": 7.0}, 100.0)
+    assert best_result([*runs, EngineResult("e", error="boom")]).error == "boom"

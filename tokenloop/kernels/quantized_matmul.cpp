@@ -46,8 +46,9 @@ constexpr int64_t kQ4GroupBytes = 8 * kBlock / 2;
 constexpr int64_t kQ8GroupBytes = 8 * kBlock;
 constexpr int64_t kQ5GroupBytes = kQ4GroupBytes + 8 * kBlock / 8;
 // How far ahead the kernels ask for weight bytes: a decode step's weights come from memory, in calls too short
-// for the hardware prefetcher to get going (at one row, about 7% less time for q4, 5% for the q8 LM head).
-constexpr int64_t kPrefetchBytes = 2048;
+// for the hardware prefetcher to get going (at one row, about 7% less time for q4, 5% for the q8 LM head, than
+// without; 4 KiB ahead took Gemma 3's LM head about 8% less time than 2 KiB).
+constexpr int64_t kPrefetchBytes = 4096;
 
 // Activations as int8 per block of 32: x ≈ scale * q, with each block's sum scale * sum_j q_j for the q4 offset
 // term. That sum is of the quantized values, not of x: the product is then exactly that of the quantized
@@ -499,17 +500,24 @@ inline void for_row_tiles(const Activations& x, int64_t m, Fn&& rows) {
   }
 }
 
+// Below about 12 activation rows a product is bound by memory, not by its multiply-adds, and 16 lanes (two row
+// groups' weights streaming at once) read it more slowly: Gemma 3's 262k-row LM head at one row took 10 ms
+// against 7 on 8 lanes, about the same at 8 rows, and 20% less from 16 rows on. A row's floats are the same either way.
+constexpr int64_t kWideMinRows = 12;
+
 // y [m, row_groups * 8] = x W^T, in parallel over chunks of row groups, each against every activation row:
 // rows(lanes, tile, first row group, kRows, out, n) with lanes Wide (two row groups at once, where built with
 // AVX-512) or Lanes8 (the odd last one). Activation rows go in blocks of about 16 KiB, each block against all of
 // a chunk's weight rows, so that the block stays in L1 while the weights stream through (prefill: about 9% less
-// time at 1,024 rows).
+// time at 1,024 rows). A product bound by memory goes in 2 chunks per thread, not 8: each chunk's weights are
+// one stream from memory, and the shorter the streams the more of their time is the ramp up to full speed (a
+// Gemma 3 decode step's layers took about 10% less time; a thread that loses its core still leaves work to take).
 template <typename Wide, typename Rows>
 void matmul_lanes(const Activations& x, int64_t m, int64_t row_groups, float* y, Rows&& rows) {
   constexpr int64_t kStep = Wide::kRowGroups;
   const int64_t n = row_groups * 8, units = (row_groups + kStep - 1) / kStep;
   const int64_t block_rows = std::max<int64_t>(4, 16384 / x.k / 4 * 4);
-  parallel_chunks(units, chunk_size(units, 4 / kStep), [&](int64_t begin, int64_t end) {
+  parallel_chunks(units, chunk_size(units, 4 / kStep, m < kWideMinRows ? 2 : 8), [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < m; r0 += block_rows) {
       const Activations block = x.from_row(r0);
       for (int64_t rg = begin * kStep; rg < std::min(end * kStep, row_groups); rg += kStep)
@@ -521,11 +529,6 @@ void matmul_lanes(const Activations& x, int64_t m, int64_t row_groups, float* y,
     }
   });
 }
-
-// Below about 12 activation rows a product is bound by memory, not by its multiply-adds, and 16 lanes (two row
-// groups' weights streaming at once) read it more slowly: Gemma 3's 262k-row LM head at one row took 10 ms
-// against 7 on 8 lanes, about the same at 8 rows, and 20% less from 16 rows on. A row's floats are the same either way.
-constexpr int64_t kWideMinRows = 12;
 
 template <typename Rows>
 void matmul_row_groups(const Activations& x, int64_t m, int64_t row_groups, float* y, Rows&& rows) {

@@ -1,0 +1,50 @@
+"""Weights are advised into transparent huge pages where Linux has them: checked in the kernel's own view of the
+mapping (/proc/self/smaps, VmFlags `hg`: MADV_HUGEPAGE was given for it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenloop.models.huge_pages import HUGE_PAGE, advise_huge_pages
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+needs_thp = pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages here")
+
+
+def vm_flags(address: int) -> set[str]:
+    """The VmFlags of the mapping of this process that holds `address`."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(part, 16) for part in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def huge_part(tensor: torch.Tensor) -> int:
+    """The first address of the tensor's storage that starts a huge page."""
+    return -(-tensor.untyped_storage().data_ptr() // HUGE_PAGE) * HUGE_PAGE
+
+
+@needs_thp
+def test_a_large_tensor_is_advised_and_a_small_one_is_left_alone():
+    large, small = torch.empty(8 << 20, dtype=torch.uint8), torch.empty(1 << 20, dtype=torch.uint8)
+    assert "hg" not in vm_flags(huge_part(large))
+    assert advise_huge_pages([large, small]) >= 6 << 20  # at least three whole huge pages of 8 MiB, none of 1 MiB
+    assert "hg" in vm_flags(huge_part(large))
+
+
+def test_tensors_off_the_cpu_are_skipped():
+    assert advise_huge_pages([torch.empty(8 << 20, dtype=torch.uint8, device="meta")]) == 0
+
+
+@needs_thp
+def test_a_loaded_model_has_its_weights_advised(llm_fp32):
+    embedding = llm_fp32.llm_engine.runner.model.embed_tokens.weight  # 49,152 x 576 float32: 113 MB
+    assert "hg" in vm_flags(huge_part(embedding))
