@@ -41,7 +41,8 @@ def test_runs_go_in_rounds_of_one_run_per_engine(monkeypatch):
         return EngineResult(engine, decode_tps=float(len(calls)))
 
     monkeypatch.setattr(offline, "run_engine", run)
-    results = offline.best_of_rounds(["tokenloop", "llama-bench"], BenchConfig("m.gguf", repeats=3))
+    cfg = BenchConfig("m.gguf")
+    results = offline.best_of_rounds([("tokenloop", cfg), ("llama-bench", cfg)], repeats=3)
     assert calls == [("tokenloop", 1), ("llama-bench", 1)] * 3
     assert [r.decode_tps for r in results] == [5.0, 6.0]  # each engine's best: its last round here
 

@@ -186,12 +186,10 @@ def run_engine(engine: str, cfg: BenchConfig) -> EngineResult:
     return EngineResult(**json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
-def best_of_rounds(engines: list[str], cfg: BenchConfig | list[BenchConfig]) -> list[EngineResult]:
-    """Each engine's best figures over cfg.repeats rounds, a round running every engine once in turn (cfg: one
-    for all, or one per engine)."""
-    configs = cfg if isinstance(cfg, list) else [cfg] * len(engines)
-    rounds = [[run_engine(e, replace(c, repeats=1)) for e, c in zip(engines, configs)] for _ in range(configs[0].repeats)]
-    return [best_result(list(runs)) for runs in zip(*rounds)]
+def best_of_rounds(runs: list[tuple[str, BenchConfig]], repeats: int) -> list[EngineResult]:
+    """Each (engine, its config)'s best figures over `repeats` rounds, a round running every engine once in turn."""
+    rounds = [[run_engine(engine, replace(cfg, repeats=1)) for engine, cfg in runs] for _ in range(repeats)]
+    return [best_result(list(results)) for results in zip(*rounds)]
 
 
 def best_result(runs: list[EngineResult]) -> EngineResult:
@@ -288,7 +286,7 @@ def main_from_args(args: argparse.Namespace) -> int:
     engines = ["tokenloop"] + [e for e in args.engines.split(",") if e in ENGINES and e != "tokenloop"]
     if cfg.compile:
         build_compiled_package(cfg.model, cfg.dtype)
-    results = best_of_rounds(engines, cfg)
+    results = best_of_rounds([(e, cfg) for e in engines], cfg.repeats)
     if args.busy_core:
         add_busy_core_decode(results, cfg)
     print(format_table(results, cfg, memory_bandwidth_gbs()))
@@ -299,11 +297,11 @@ def add_busy_core_decode(results: list[EngineResult], cfg: BenchConfig) -> None:
     """Single-stream decode of tokenloop (its default thread choice) and llama-bench (the same -t) while a
     Python loop keeps one core busy."""
     measured = [r for r in results if r.engine in ("tokenloop", "llama-bench") and r.error is None]
-    configs = [replace(cfg, threads=None if r.engine == "tokenloop" else cfg.threads, decode_only=True) for r in measured]
+    runs = [(r.engine, replace(cfg, threads=None if r.engine == "tokenloop" else cfg.threads, decode_only=True)) for r in measured]
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(1)
-        for r, busy in zip(measured, best_of_rounds([r.engine for r in measured], configs)):
+        for r, busy in zip(measured, best_of_rounds(runs, cfg.repeats)):
             r.busy_decode_tps = busy.decode_tps
     finally:
         hog.kill()
