@@ -3,6 +3,7 @@ mapping (/proc/self/smaps, VmFlags `hg`: MADV_HUGEPAGE was given for it)."""
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import pytest
@@ -32,9 +33,15 @@ def huge_part(tensor: torch.Tensor) -> int:
     return -(-tensor.untyped_storage().data_ptr() // HUGE_PAGE) * HUGE_PAGE
 
 
+def fresh_mapping(nbytes: int) -> torch.Tensor:
+    """A tensor on a new anonymous mapping: never advised before (memory from the allocator may be an area that an
+    earlier test's model advised, and then the check before advising would read `hg` already)."""
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+
+
 @needs_thp
 def test_a_large_tensor_is_advised_and_a_small_one_is_left_alone():
-    large, small = torch.empty(8 << 20, dtype=torch.uint8), torch.empty(1 << 20, dtype=torch.uint8)
+    large, small = fresh_mapping(8 << 20), fresh_mapping(1 << 20)
     assert "hg" not in vm_flags(huge_part(large))
     assert advise_huge_pages([large, small]) >= 6 << 20  # at least three whole huge pages of 8 MiB, none of 1 MiB
     assert "hg" in vm_flags(huge_part(large))
