@@ -7,6 +7,9 @@
   weights (BLAS packs them first for two rows or more: a verify step of the float32 path would cost two steps).
 - `paged_attention.cpp` computes decode attention straight from the paged KV cache, without gathering the
   context into a dense float32 copy first.
+- `prefill_attention.cpp` computes a prompt's (or a prompt chunk's) attention over the paged cache in bfloat16
+  products on CPUs with AVX512-BF16: about twice SDPA's float32 speed, with no dense copy of the context.
+- `rms_norm.cpp` normalises an eager step's rows in one pass (eager PyTorch makes six).
 - `rotary_cache.cpp` rotates an eager step's queries and keys and writes its keys and values into the cache
   in one pass (eager PyTorch makes about nine).
 
@@ -41,11 +44,15 @@ CXX_FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-mavx2", "-mfma", "-mf16c
 # The library is built on the machine that runs it, so it may use what this CPU has beyond AVX2: AVX512-VNNI's
 # byte dot products, on 512-bit vectors (two groups of weight rows at once) and 256-bit ones (VL). Same results.
 VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
+# And AVX512-BF16's bfloat16 dot products, for prefill attention (prefill_attention.cpp, built only with them).
+BF16_FLAGS = ["-mavx512bf16"]
 
 
 def _cxx_flags() -> list[str]:
     # torch.cpu._is_vnni_supported checks avx512_vnni only; VL comes with every CPU that has it.
-    return CXX_FLAGS + (VNNI_FLAGS if torch.cpu._is_vnni_supported() and torch.cpu._is_avx512_supported() else [])
+    if not (torch.cpu._is_vnni_supported() and torch.cpu._is_avx512_supported()):
+        return CXX_FLAGS
+    return CXX_FLAGS + VNNI_FLAGS + (BF16_FLAGS if torch.cpu._is_avx512_bf16_supported() else [])
 
 
 @functools.cache
@@ -61,6 +68,11 @@ def cpu_kernels_available() -> bool:
             why = f"building or loading it failed: {getattr(e, 'stderr', None) or e}"
     warnings.warn(f"tokenloop's CPU kernels are not used ({why}); quantized weights are dequantized for every product, which is slower", stacklevel=2)
     return False
+
+
+def prefill_attention_available() -> bool:
+    """Whether tokenloop::prefill_attention is built: on CPUs with AVX512-BF16 (else attention runs SDPA)."""
+    return cpu_kernels_available() and hasattr(torch.ops.tokenloop, "prefill_attention")
 
 
 def _unsupported_reason() -> str | None:
@@ -119,6 +131,12 @@ def _register_fake_kernels() -> None:
     @torch.library.register_fake("tokenloop::f32_matmul")
     def _(x, weight):
         return x.new_empty(x.shape[0], weight.shape[0])
+
+    if hasattr(torch.ops.tokenloop, "prefill_attention"):
+
+        @torch.library.register_fake("tokenloop::prefill_attention")
+        def _(q, k_cache, v_cache, key_slots, first, window, scale):
+            return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
     @torch.library.register_fake("tokenloop::paged_decode_attention")
     def _(q, k_cache, v_cache, key_slots, mask, scale):

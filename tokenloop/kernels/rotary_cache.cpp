@@ -5,7 +5,9 @@
 //
 // qkv [T, (q_heads + 2 kv_heads) * D] float32, the projection's output: q and k are rotated in place
 // (rotate-half RoPE: x * cos + rotate_half(x) * sin, cos and sin [T, D]); k and v are also written to
-// k_cache and v_cache [kv_heads, slots, D] (float16 or float32) at slot slot_mapping[t].
+// k_cache and v_cache [kv_heads, slots, D] (float16 or float32) at slot slot_mapping[t]. With q_norm and k_norm
+// ([D] float32 each, Gemma 3's per-head norms), each query and key head is RMS-normalised first, as the eager
+// norms would (five passes each, and a copy to put q, k and v back together).
 #define CPU_CAPABILITY AVX2
 #define CPU_CAPABILITY_AVX2
 #include <ATen/Parallel.h>
@@ -13,8 +15,10 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <optional>
 
 #include "kv_cache.h"
+#include "rms_norm.h"
 
 namespace {
 
@@ -30,7 +34,7 @@ inline void rotate(const float* x, const float* cos, const float* sin, int64_t d
 
 template <typename T>
 void rotary_cache_rows(float* qkv, const float* cos, const float* sin, T* k_cache, T* v_cache, const int64_t* slot_mapping, int64_t tokens,
-                       int64_t q_heads, int64_t kv_heads, int64_t slots, int64_t d) {
+                       int64_t q_heads, int64_t kv_heads, int64_t slots, int64_t d, const float* q_norm, const float* k_norm, float eps) {
   const int64_t width = (q_heads + 2 * kv_heads) * d;
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     float rotated[1024];  // one head; D <= 1024 is checked
@@ -39,6 +43,7 @@ void rotary_cache_rows(float* qkv, const float* cos, const float* sin, T* k_cach
       const float *c = cos + t * d, *s = sin + t * d;
       for (int64_t h = 0; h < q_heads + kv_heads; ++h) {
         float* x = row + h * d;
+        if (const float* norm = h < q_heads ? q_norm : k_norm) rms_normalize(x, norm, eps, d, x);
         rotate(x, c, s, d, rotated);
         for (int64_t i = 0; i < d; ++i) x[i] = rotated[i];
       }
@@ -57,7 +62,8 @@ void rotary_cache_rows(float* qkv, const float* cos, const float* sin, T* k_cach
 }
 
 void rotary_cache_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& slot_mapping, int64_t q_heads) {
+                        const at::Tensor& slot_mapping, int64_t q_heads, const std::optional<at::Tensor>& q_norm,
+                        const std::optional<at::Tensor>& k_norm, double eps) {
   check_kv_caches(k_cache, v_cache);
   const int64_t kv_heads = k_cache.size(0), slots = k_cache.size(1), d = k_cache.size(2), tokens = qkv.size(0);
   TORCH_CHECK(d % 2 == 0 && d <= 1024, "head_dim must be even and at most 1024, got ", d);
@@ -68,18 +74,25 @@ void rotary_cache_write(const at::Tensor& qkv, const at::Tensor& cos, const at::
                 "cos and sin must be contiguous [T, head_dim] float32 tensors");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == tokens,
               "slot_mapping must be a contiguous [T] int64 tensor");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together");
+  for (const auto* norm : {&q_norm, &k_norm})
+    TORCH_CHECK(!norm->has_value() || ((*norm)->scalar_type() == at::kFloat && (*norm)->is_contiguous() && (*norm)->sizes() == at::IntArrayRef({d})),
+                "q_norm and k_norm must be contiguous [head_dim] float32 tensors");
+  const float* q_w = q_norm ? q_norm->data_ptr<float>() : nullptr;
+  const float* k_w = k_norm ? k_norm->data_ptr<float>() : nullptr;
   float* x = qkv.data_ptr<float>();
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot ", slot[t], " is outside the cache's ", slots, " slots");
   with_cache_data(k_cache, v_cache, [&](auto* k, auto* v) {
-    rotary_cache_rows(x, cos.data_ptr<float>(), sin.data_ptr<float>(), k, v, slot, tokens, q_heads, kv_heads, slots, d);
+    rotary_cache_rows(x, cos.data_ptr<float>(), sin.data_ptr<float>(), k, v, slot, tokens, q_heads, kv_heads, slots, d, q_w, k_w, static_cast<float>(eps));
   });
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenloop, m) {
-  m.def("rotary_cache_write(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, int q_heads) -> ()");
+  m.def("rotary_cache_write(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, int q_heads, Tensor? q_norm=None, "
+        "Tensor? k_norm=None, float eps=0.0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenloop, CPU, m) { m.impl("rotary_cache_write", &rotary_cache_write); }

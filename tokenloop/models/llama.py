@@ -41,16 +41,17 @@ class DecoderAttention(nn.Module):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        if self.q_norm is not None:
-            qkv = self.normalize_qk(qkv)
         num_heads, num_kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
         if self.attn.cpu_kernel and qkv.dtype == torch.float32 and not torch.compiler.is_compiling():
-            # Eager steps rotate q and k and write k and v into the cache in one kernel pass; a compiled step
-            # leaves the ops below to inductor, which fuses them itself.
+            # Eager steps normalise and rotate q and k and write k and v into the cache in one kernel pass; a
+            # compiled step leaves the ops below to inductor, which fuses them itself.
             cos, sin = rope
             qkv = qkv.contiguous()
-            torch.ops.tokenloop.rotary_cache_write(qkv, cos.squeeze(1), sin.squeeze(1), self.attn.k_cache, self.attn.v_cache, meta.slot_mapping, num_heads)
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else (None, None, 0.0)
+            torch.ops.tokenloop.rotary_cache_write(qkv, cos.squeeze(1), sin.squeeze(1), self.attn.k_cache, self.attn.v_cache, meta.slot_mapping, num_heads, *norms)
             return self.o_proj(self.attn.attend(qkv[:, : self.q_size].view(-1, num_heads, self.head_dim), meta))
+        if self.q_norm is not None:
+            qkv = self.normalize_qk(qkv)
         qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(-1, num_heads + num_kv_heads, self.head_dim), rope)
         q, k = qk.split([num_heads, num_kv_heads], dim=1)  # (T, num_heads, head_dim), (T, num_kv_heads, head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, num_kv_heads, self.head_dim)
