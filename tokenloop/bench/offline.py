@@ -74,8 +74,7 @@ def _bench_tokenloop(cfg: BenchConfig) -> EngineResult:
     greedy = SamplingParams(temperature=0, max_tokens=cfg.decode_tokens, ignore_eos=True)
     # Warmed up as llama-bench is (its warm-up run is a prompt of the timed size and one decode step): the timed
     # figures then pay no first-use costs (page faults in fresh activation buffers, the allocator's growth).
-    prefill_ids = _prefill_prompt(tok.encode, cfg.prefill_tokens)
-    llm.generate({"prompt_token_ids": prefill_ids}, SamplingParams(max_tokens=4), use_tqdm=False)
+    llm.generate({"prompt_token_ids": _prefill_prompt(tok.encode, cfg.prefill_tokens)}, SamplingParams(max_tokens=4), use_tqdm=False)
 
     def timed(prompt_ids: list[int], params: SamplingParams) -> StreamStats:
         stats = StreamStats()
@@ -93,6 +92,7 @@ def _bench_tokenloop(cfg: BenchConfig) -> EngineResult:
     decode_tps = max(timed(prompt, greedy).decode_rate for _ in range(cfg.repeats))
     if cfg.decode_only:
         return EngineResult("tokenloop", decode_tps)
+    prefill_ids = _prefill_prompt(tok.encode, cfg.prefill_tokens)
     prefill_s = min(timed(prefill_ids, SamplingParams(temperature=0, max_tokens=1)).prefill_s for _ in range(cfg.repeats))
     batch = {str(size): max(batch_rate(size) for _ in range(cfg.repeats)) for size in cfg.batch_sizes}
     model = engine.runner.model

@@ -7,8 +7,6 @@
 // pass over the weights. Each output is the same sequence of vector multiply-adds over K, then one horizontal
 // sum, whatever the row count or tiling: a row's result does not depend on the rows beside it (so decoding and
 // verifying give the same floats). Above kMaxRows (prefill) the product is BLAS's.
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
 #include <ATen/ATen.h>
 #include <ATen/core/Tensor.h>
 #include <immintrin.h>
@@ -17,11 +15,17 @@
 #include <cstdint>
 
 #include "parallel.h"
-#include "vector_sums.h"
 
 namespace {
 
 constexpr int64_t kMaxRows = 32;
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
 
 // One vector of floats: 16 lanes where the library is built with AVX-512 (32 registers: a 4 x 6 tile), else 8
 // (AVX2's 16 registers: a 4 x 3 tile). The choice is made once per build, so every row count runs the same lanes.
@@ -33,7 +37,7 @@ inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(Vec v) {
-  return hsum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+  return hsum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
 }
 #else
 using Vec = __m256;
@@ -42,7 +46,7 @@ constexpr int kCols = 3;
 inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float vsum(Vec v) { return hsum(v); }
+inline float vsum(Vec v) { return hsum8(v); }
 #endif
 
 // kRows activation rows (x, stride k) against c weight rows (w, stride k): y[r * y_stride + c].

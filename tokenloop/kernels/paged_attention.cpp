@@ -24,12 +24,33 @@
 
 #include "kv_cache.h"
 #include "parallel.h"
-#include "vector_sums.h"
 
 namespace {
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// p[j] = exp(p[j] - max) for j < n; returns their sum. Masked scores are -inf and become 0.
+float exp_and_sum(float* p, int64_t n, float max) {
+  using Vec = at::vec::Vectorized<float>;
+  Vec sum(0.f);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) {
+    const Vec e = (Vec::loadu(p + j) - Vec(max)).exp_u20();
+    e.store(p + j);
+    sum = sum + e;
+  }
+  float total = hsum(sum);
+  for (; j < n; ++j) total += (p[j] = std::exp(p[j] - max));
+  return total;
+}
 
 // How many keys ahead the loops ask for rows. With many sequences the keys and values come from memory, and
 // the blocks of a sequence are scattered, so the hardware prefetcher cannot guess the next one (at 32

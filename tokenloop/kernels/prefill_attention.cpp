@@ -29,7 +29,6 @@
 
 #include "kv_cache.h"
 #include "parallel.h"
-#include "vector_sums.h"
 
 #ifdef __AVX512BF16__
 namespace {
@@ -131,6 +130,22 @@ void output_tile(const uint32_t* p, const float* rescale, const uint32_t* values
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + r * d + dim0 + 16 * c, acc[r][c]);
 }
 
+// exp(x - max) of 32 scores in place (-inf → 0); returns their sum.
+float exp_block(float* x, float max) {
+  using Vec = at::vec::Vectorized<float>;
+  Vec sum(0.f);
+  for (int64_t j = 0; j < kKeys; j += Vec::size()) {
+    const Vec e = (Vec::loadu(x + j) - Vec(max)).exp_u20();
+    e.store(x + j);
+    sum = sum + e;
+  }
+  float parts[Vec::size()];
+  sum.store(parts);
+  float total = 0.f;
+  for (const float part : parts) total += part;
+  return total;
+}
+
 struct Scratch {
   std::vector<uint32_t> q, p;
   std::vector<float> out, scores, max, sum, rescale;
@@ -170,7 +185,7 @@ void attend_item(const float* q, int64_t q_row_stride, float* out, int64_t out_r
         s.rescale[r] = 1.f;
       } else {
         s.rescale[r] = std::exp(s.max[r] - new_max);  // 0 on the first visible block (max was -inf)
-        s.sum[r] = s.sum[r] * s.rescale[r] + exp_and_sum(x, kKeys, new_max);
+        s.sum[r] = s.sum[r] * s.rescale[r] + exp_block(x, new_max);
         s.max[r] = new_max;
       }
       for (int64_t j = 0; j < kKeys; j += 16) {

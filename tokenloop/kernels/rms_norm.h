@@ -7,8 +7,6 @@
 #include <cmath>
 #include <cstdint>
 
-#include "vector_sums.h"
-
 // The sum of x^2 over n floats, in 8 lanes, then across them.
 inline float sum_squares(const float* x, int64_t n) {
   __m256 lanes = _mm256_setzero_ps();
@@ -17,7 +15,10 @@ inline float sum_squares(const float* x, int64_t n) {
     const __m256 v = _mm256_loadu_ps(x + i);
     lanes = _mm256_add_ps(lanes, _mm256_mul_ps(v, v));
   }
-  float sum = hsum(lanes);
+  alignas(32) float parts[8];
+  _mm256_store_ps(parts, lanes);
+  float sum = 0.0f;
+  for (const float part : parts) sum += part;
   for (; i < n; ++i) sum += x[i] * x[i];
   return sum;
 }
