@@ -370,9 +370,9 @@ class Int8Embedding(Int8Weights):
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b) for an unquantized weight of x's dtype. Float32 on the CPU goes through tokenloop's kernel,
-    which reads the weights once for up to 32 rows and gives each row the same floats whatever the rows beside
-    it (a decode step and a verify step agree), and hands larger products to BLAS."""
+    """x W^T (+ b) for an unquantized weight of x's dtype. Float32 on the CPU goes through tokenloop's kernel for
+    every row count: each row gets the same floats whatever the rows beside it, the row count or the thread count
+    (decode, verify and a prefill chunk of any size agree), and a few rows cost about one pass over the weights."""
     if x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and kernels.cpu_kernels_available():
         y = torch.ops.tokenloop.f32_matmul(x, weight)
         return y if bias is None else y + bias
