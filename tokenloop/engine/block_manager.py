@@ -2,12 +2,16 @@
 forks sequences (a child shares its parent's blocks) and copies a shared block on write.
 
 It counts integers only; the tensors live in the model runner (which does the copies listed here). A full block is keyed by a hash chained to
-its parent's hash and its own token ids, so equal keys mean equal prefixes (token ids are compared on a hit
-as well, so a hash collision can never serve the wrong cache).
+its parent's hash, its own token ids and the model's identity, so equal keys mean equal prefixes of one model (token ids
+are compared on a hit as well, so a hash collision can never serve the wrong cache). The hash is a fixed digest, not
+Python's salted `hash`, so that two processes (prefill and decode workers, replicas behind a router) agree on it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -22,16 +26,45 @@ class Block:
     token_ids: tuple[int, ...] = ()
 
 
-def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((parent_hash, token_ids))
+ROOT_HASH = 0  # the parent hash of a sequence's first block
+_MIB = 2**20
+
+
+def weights_fingerprint(path: str | os.PathLike) -> str:
+    """A cheap digest of a model's weights that every process computes alike: the size, first and last MiB of a
+    .gguf file, or of each .json / .safetensors file of a Hugging Face folder (with its name)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        files = sorted(f for f in os.listdir(path) if f.endswith((".json", ".safetensors")))
+        files = [os.path.join(path, f) for f in files]
+    else:
+        files = [path]
+    digest = hashlib.sha256()
+    for file in files:
+        size = os.path.getsize(file)
+        digest.update(f"{os.path.basename(file)}:{size}:".encode())
+        with open(file, "rb") as f:
+            digest.update(f.read(_MIB))
+            f.seek(max(size - _MIB, 0))
+            digest.update(f.read(_MIB))
+    return digest.hexdigest()[:32]
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, model_identity: str | bytes = b""
+    ) -> None:
+        """model_identity: whatever a block's K/V depend on besides its tokens (the weights, dtypes; an adapter's
+        name), so that two models never share a block hash."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        identity = model_identity.encode() if isinstance(model_identity, str) else bytes(model_identity)
+        # The identity is hashed once; each block copies that state and adds its parent's hash and its token ids,
+        # packed little-endian (int64 each) so that every machine feeds the digest the same bytes.
+        self._identity_hasher = hashlib.blake2b(identity, digest_size=8)
+        self._pack_block = struct.Struct(f"<Q{block_size}q").pack
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Unreferenced blocks in the order they are handed out: freed blocks that hold no cached prefix first
         # (most recently freed first, so that a long run keeps reusing the same few pages of the pool instead
@@ -44,6 +77,12 @@ class BlockManager:
         # (source, destination) block copies owed before the next forward pass: a sequence about to write into a
         # block it shares got a copy of its own (copy on write). The scheduler hands them to the step.
         self.pending_copies: list[tuple[int, int]] = []
+
+    def block_hash(self, parent_hash: int, token_ids: tuple[int, ...]) -> int:
+        """The 64-bit chain hash of a full block (ROOT_HASH is the first block's parent)."""
+        hasher = self._identity_hasher.copy()
+        hasher.update(self._pack_block(parent_hash, *token_ids))
+        return int.from_bytes(hasher.digest(), "little")
 
     @property
     def num_blocks(self) -> int:
@@ -86,10 +125,10 @@ class BlockManager:
         assert not seq.block_table and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching or seq.score_prompt:
             return
-        parent = None
+        parent = ROOT_HASH
         for start in range(0, seq.num_tokens - 1 - self.block_size + 1, self.block_size):
             tokens = tuple(seq.token_ids[start : start + self.block_size])
-            parent = chain_hash(parent, tokens)
+            parent = self.block_hash(parent, tokens)
             block_id = self.cached.get(parent)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
@@ -135,9 +174,9 @@ class BlockManager:
         for i in range(seq.num_hashed_blocks, full):
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:  # a block taken from the cache already has its hash
-                parent = self.blocks[seq.block_table[i - 1]].hash if i else None
+                parent = self.blocks[seq.block_table[i - 1]].hash if i else ROOT_HASH
                 block.token_ids = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-                block.hash = chain_hash(parent, block.token_ids)
+                block.hash = self.block_hash(parent, block.token_ids)
                 self.cached.setdefault(block.hash, block.block_id)
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from tokenloop.engine.beam_search import Beam, BeamSearch, BeamSearchParams
-from tokenloop.engine.block_manager import BlockManager
+from tokenloop.engine.block_manager import BlockManager, weights_fingerprint
 from tokenloop.engine.compiled_decode import CompileSpec
 from tokenloop.engine.faults import FaultInjection, InjectedFault
 from tokenloop.engine.model_runner import ModelInput, ModelRunner, PromptScores, StepSamples, kv_bytes_per_block
@@ -128,7 +128,9 @@ class LLMEngine:
         num_blocks = int(config.kv_cache_gb * 2**30) // kv_bytes_per_block(loaded.config, config.block_size, config.kv_cache_dtype)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_gb={config.kv_cache_gb} does not hold one KV block of this model")
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # Blocks' K/V depend on the weights, on their precision ("auto" keeps them quantized) and on the cache's dtype.
+        identity = f"{weights_fingerprint(loaded.path)} dtype={config.dtype} kv={config.kv_cache_dtype}"
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, identity)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, config.kv_cache_dtype, device, config.compile,
                                   self._compile_spec(config)(loaded.path) if config.compile and config.compile_in_background else None)
