@@ -1,5 +1,6 @@
-"""tokenloop's decode-attention kernel reads the paged KV cache in place: it must give softmax(q k^T * scale) v
-over exactly the slots each sequence's mask allows, in the cache's float16 or float32, with grouped-query heads."""
+"""tokenloop's attention kernel reads the paged KV cache in place: it must give softmax(q k^T * scale) v over each
+query's causal (and windowed) context, with grouped-query heads, and give each query row the same floats whatever
+else is in the call: how its sequence's rows are split into entries, which entries are beside it, the thread count."""
 
 from __future__ import annotations
 
@@ -16,43 +17,113 @@ def built():
     assert kernels.cpu_kernels_available()
 
 
-def reference(q, k_cache, v_cache, key_slots, mask, scale):
-    """Float64 attention over the gathered slots, one sequence at a time."""
-    q_heads, kv_heads = q.shape[1], k_cache.shape[0]
+def bf16_products(cache_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the kernel multiplies in bfloat16 here (AVX512-BF16, a float16 cache, head_dim a multiple of 32)."""
+    return cache_dtype == torch.float16 and head_dim % 32 == 0 and torch.cpu._is_avx512_bf16_supported()
+
+
+class Cache:
+    """A paged cache with random contents and, per sequence, a block table of scattered blocks."""
+
+    def __init__(self, gen, kv_heads, head_dim, dtype, block_size, lengths):
+        self.block_size = block_size
+        blocks_each = [-(-n // block_size) for n in lengths]
+        order = torch.randperm(sum(blocks_each) + 3, generator=gen).tolist()  # scattered, some blocks unused
+        self.tables, i = [], 0
+        for n in blocks_each:
+            self.tables.append(order[i : i + n])
+            i += n
+        slots = (sum(blocks_each) + 3) * block_size
+        self.k = torch.randn(kv_heads, slots, head_dim, generator=gen).to(dtype)
+        self.v = torch.randn(kv_heads, slots, head_dim, generator=gen).to(dtype)
+
+    def slots(self, seq: int, n: int) -> torch.Tensor:
+        bs = self.block_size
+        return torch.tensor([self.tables[seq][p // bs] * bs + p % bs for p in range(n)])
+
+    def block_tables(self, seqs: list[int]) -> torch.Tensor:
+        width = max(len(self.tables[s]) for s in seqs)
+        return torch.tensor([self.tables[s] + [0] * (width - len(self.tables[s])) for s in seqs], dtype=torch.int64)
+
+
+def attend(q, cache, entries, window=0, scale=0.125):
+    """entries: (sequence, first position, count), their query rows in order in q."""
+    starts = torch.tensor([0] + [c for _, _, c in entries]).cumsum(0)[:-1]
+    return torch.ops.tokenloop.paged_attention(
+        q, cache.k, cache.v, cache.block_tables([s for s, _, _ in entries]), cache.block_size, starts,
+        torch.tensor([c for _, _, c in entries]), torch.tensor([f for _, f, _ in entries]), window, scale,
+    )
+
+
+def reference(q_rows, cache, seq, first, window, scale):
+    """Float64 attention of one sequence's rows at positions first, first + 1, ..."""
+    q_heads, kv_heads = q_rows.shape[1], cache.k.shape[0]
     out = []
-    for b in range(q.shape[0]):
-        slots = key_slots[b][mask[b]]
-        keys = k_cache[:, slots].double().transpose(0, 1).repeat_interleave(q_heads // kv_heads, dim=1)  # [n, q_heads, D]
-        values = v_cache[:, slots].double().transpose(0, 1).repeat_interleave(q_heads // kv_heads, dim=1)
-        weights = torch.softmax(torch.einsum("hd,nhd->hn", q[b].double(), keys) * scale, dim=-1)
-        out.append(torch.einsum("hn,nhd->hd", weights, values))
+    for i, q in enumerate(q_rows):
+        pos = first + i
+        lo = max(pos - window + 1, 0) if window else 0
+        slots = cache.slots(seq, pos + 1)[lo:]
+        keys = cache.k[:, slots].double().transpose(0, 1).repeat_interleave(q_heads // kv_heads, dim=1)  # [n, q_heads, D]
+        values = cache.v[:, slots].double().transpose(0, 1).repeat_interleave(q_heads // kv_heads, dim=1)
+        weights = torch.softmax(torch.einsum("hd,nhd->hn", q.double(), keys) * scale, dim=-1)
+        out.append(torch.einsum("hn,nhd->hd", weights, values).flatten())
     return torch.stack(out)
 
 
+CASES = [(9, 3, 64, 0), (4, 4, 16, 0), (8, 1, 256, 0), (4, 2, 40, 0), (4, 1, 256, 20), (4, 2, 16, 8)]
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("batch,q_heads,kv_heads,head_dim,context", [(1, 9, 3, 64, 37), (5, 4, 4, 16, 8), (3, 8, 1, 256, 130), (2, 4, 2, 40, 19)])
-def test_decode_attention_reads_the_allowed_slots_of_the_paged_cache(cache_dtype, batch, q_heads, kv_heads, head_dim, context):
-    gen = torch.Generator().manual_seed(batch * context + head_dim)
-    num_slots = 4 * context
-    k_cache = torch.randn(kv_heads, num_slots, head_dim, generator=gen).to(cache_dtype)
-    v_cache = torch.randn(kv_heads, num_slots, head_dim, generator=gen).to(cache_dtype)
-    key_slots = torch.stack([torch.randperm(num_slots, generator=gen)[:context] for _ in range(batch)])  # scattered blocks
-    lengths = torch.randint(1, context + 1, (batch,), generator=gen)
-    lengths[0] = context
-    mask = torch.arange(context)[None, :] < lengths[:, None]  # each sequence's own context length
-    mask[0, 0] = context == 1  # a position that has left a sliding window
-    q = torch.randn(batch, q_heads, head_dim, generator=gen) * 2
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,window", CASES)
+def test_each_query_attends_to_its_causal_window_of_the_paged_cache(cache_dtype, q_heads, kv_heads, head_dim, window):
+    gen = torch.Generator().manual_seed(q_heads * head_dim + window)
+    lengths = [70, 1, 130, 33]
+    cache = Cache(gen, kv_heads, head_dim, cache_dtype, 16, lengths)
+    # a whole prompt, a first token, a chunk after cached tokens, a decode
+    entries = [(0, 0, 70), (1, 0, 1), (2, 90, 40), (3, 32, 1)]
+    q = torch.randn(sum(c for _, _, c in entries), q_heads, head_dim, generator=gen) * 2
     scale = head_dim**-0.5
-    out = torch.ops.tokenloop.paged_decode_attention(q, k_cache, v_cache, key_slots, mask, scale)
-    torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, key_slots, mask, scale), atol=2e-5, rtol=1e-4)
+    out = attend(q, cache, entries, window, scale)
+    expected = torch.cat([reference(q[r : r + c], cache, s, f, window, scale) for (s, f, c), r in zip(entries, [0, 70, 71, 111])])
+    if bf16_products(cache_dtype, head_dim):  # bfloat16 products: 8 bits of mantissa on q, k, p and v
+        assert (out.double() - expected).abs().mean() < 0.01 * expected.abs().mean()
+    else:
+        torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,window", CASES)
+def test_a_query_row_gets_the_same_floats_however_its_sequence_is_split_and_whatever_is_beside_it(cache_dtype, q_heads, kv_heads, head_dim, window):
+    gen = torch.Generator().manual_seed(7 + head_dim)
+    cache = Cache(gen, kv_heads, head_dim, cache_dtype, 16, [300, 50, 9])
+    q = torch.randn(300, q_heads, head_dim, generator=gen)
+    whole = attend(q, cache, [(0, 0, 300)], window)
+    # Chunks of 1, 7 and 64 rows, each its own call, as chunked prefill and decode compute them.
+    for chunk in (1, 7, 64):
+        parts = [attend(q[a : a + chunk], cache, [(0, a, min(chunk, 300 - a))], window) for a in range(0, 300, chunk)]
+        assert torch.equal(torch.cat(parts), whole), f"chunks of {chunk}"
+    # Beside other sequences' rows, in another order, split into entries of one row and of many.
+    other = torch.randn(59, q_heads, head_dim, generator=gen)
+    mixed = attend(torch.cat([other[:50], q[200:], other[50:], q[:200]]), cache, [(1, 0, 50), (0, 200, 100), (2, 0, 9), *[(0, p, 1) for p in range(200)]], window)
+    assert torch.equal(mixed[50:150], whole[200:]) and torch.equal(mixed[159:], whole[:200])
+    # With one thread and with two.
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(attend(q, cache, [(0, 0, 300)], window), whole)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_bad_inputs_raise_a_clear_error():
-    q, cache = torch.randn(2, 4, 16), torch.randn(2, 8, 16)
-    slots, mask = torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.bool)
-    with pytest.raises(RuntimeError, match="mask must be a contiguous"):
-        torch.ops.tokenloop.paged_decode_attention(q, cache, cache, slots, mask[:, :2], 0.25)
-    with pytest.raises(RuntimeError, match="multiple of KV heads"):
-        torch.ops.tokenloop.paged_decode_attention(torch.randn(2, 3, 16), cache, cache, slots, mask, 0.25)
+    cache = Cache(torch.Generator().manual_seed(0), 2, 16, torch.float32, 4, [8])
+    q = torch.randn(8, 4, 16)
+    with pytest.raises(RuntimeError, match="cover q's 8 rows"):
+        attend(q, cache, [(0, 0, 7)])
+    with pytest.raises(RuntimeError, match="longer than its block table"):
+        attend(q[:1], cache, [(0, 8, 1)])
+    with pytest.raises(RuntimeError, match="multiple of the cache's KV heads"):
+        attend(torch.randn(8, 3, 16), cache, [(0, 0, 8)])
     with pytest.raises(RuntimeError, match="float16 or float32"):
-        torch.ops.tokenloop.paged_decode_attention(q, cache.double(), cache.double(), slots, mask, 0.25)
+        cache.k, cache.v = cache.k.double(), cache.v.double()
+        attend(q, cache, [(0, 0, 8)])

@@ -22,6 +22,7 @@ unsupported op) it says so once and runs eager: the same model, the same tokens.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -37,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tokenloop.models.attention import AttentionGroup, AttentionMetadata
+from tokenloop.models.attention import AttentionMetadata
 from tokenloop.models.store import tokenloop_home
 
 logger = logging.getLogger(__name__)
@@ -55,31 +56,31 @@ class DecodeStep(nn.Module):
     """model.forward with the attention metadata as tensors and the KV caches as inputs: what torch.export
     traces. The caches are bound to the attention layers only while tracing (in the package they are inputs)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, block_size: int) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.block_size = model, block_size
 
-    def forward(self, input_ids, positions, slot_mapping, query_index, output_index, key_slots, mask, k_caches, v_caches):
+    def forward(self, input_ids, positions, slot_mapping, block_tables, query_start, query_count, first_position, k_caches, v_caches):
         layers = self.model.attention_layers()
         bound = [(attn.k_cache, attn.v_cache) for attn in layers]
         try:
             for attn, k, v in zip(layers, k_caches, v_caches):
                 attn.k_cache, attn.v_cache = k, v
-            group = AttentionGroup(query_index, output_index, key_slots, mask, token_rows=None)
-            return self.model(input_ids, positions, AttentionMetadata(slot_mapping, [group]))
+            meta = AttentionMetadata(slot_mapping, block_tables, query_start, query_count, first_position, self.block_size)
+            return self.model(input_ids, positions, meta)
         finally:
             for attn, (k, v) in zip(layers, bound):
                 attn.k_cache, attn.v_cache = k, v
 
 
 def example_inputs(input_ids: torch.Tensor, caches: list[torch.Tensor]) -> tuple:
-    """A decode batch of 2 sequences with 3 tokens of context each, on the caches' first slots."""
+    """A decode batch of 2 sequences with 3 tokens of context each, the first verifying a one-token draft (3 query
+    tokens in all: the token and sequence counts are distinct dimensions), block tables of 2 blocks."""
     device = caches[0].device
-    index = torch.arange(2, device=device)
     num_layers = len(caches) // 2
+    tensor = functools.partial(torch.tensor, dtype=torch.int64, device=device)
     return (
-        input_ids.new_zeros(2), torch.full((2,), 2, device=device), index * 3 + 2, index[:, None], index,
-        torch.arange(6, device=device).view(2, 3), torch.ones(2, 1, 1, 3, dtype=torch.bool, device=device),
+        input_ids.new_zeros(3), tensor([1, 2, 2]), tensor([1, 2, 34]), tensor([[0, 1], [2, 3]]), tensor([0, 2]), tensor([2, 1]), tensor([1, 2]),
         caches[:num_layers], caches[num_layers:],
     )
 
@@ -90,11 +91,11 @@ def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
 
 
-def package_key(model: nn.Module, caches: list[torch.Tensor]) -> str:
+def package_key(model: nn.Module, caches: list[torch.Tensor], block_size: int) -> str:
     """What the compiled code depends on: the model's structure and config, every tensor's dtype and shape,
-    which kernels it calls, the caches' dtype and device, the CPU count (inductor decides its loops' split
-    by it), and the sources of torch and of tokenloop's model code."""
-    parts = [str(model), repr(getattr(model, "config", None)), torch.__version__, str(os.cpu_count())]
+    which kernels it calls, the caches' dtype and device and block size, the CPU count (inductor decides its
+    loops' split by it), and the sources of torch and of tokenloop's model code."""
+    parts = [str(model), repr(getattr(model, "config", None)), torch.__version__, str(os.cpu_count()), f"block_size={block_size}"]
     parts += [f"{name}:{t.dtype}:{tuple(t.shape)}:{t.device.type}" for name, t in named_tensors(model).items()]
     parts += [f"{name}:{getattr(m, 'cpu_kernel', None)}" for name, m in model.named_modules()]
     kv_heads, _, head_dim = caches[0].shape  # [kv_heads, slots, head_dim]: the slot count is dynamic
@@ -105,11 +106,11 @@ def package_key(model: nn.Module, caches: list[torch.Tensor]) -> str:
     return digest.hexdigest()[:16]
 
 
-def package_path(model: nn.Module, caches: list[torch.Tensor]) -> Path:
-    return tokenloop_home() / "compiled" / f"decode-{package_key(model, caches)}.pt2"
+def package_path(model: nn.Module, caches: list[torch.Tensor], block_size: int) -> Path:
+    return tokenloop_home() / "compiled" / f"decode-{package_key(model, caches, block_size)}.pt2"
 
 
-def build_package(model: nn.Module, caches: list[torch.Tensor], target: Path) -> bool:
+def build_package(model: nn.Module, caches: list[torch.Tensor], block_size: int, target: Path) -> bool:
     """torch.export the decode step (batch size, context length and cache size dynamic), then AOTInductor.
     Under a lock on the target: a process that finds it built meanwhile builds nothing (returns False)."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -117,23 +118,24 @@ def build_package(model: nn.Module, caches: list[torch.Tensor], target: Path) ->
         fcntl.flock(lock, fcntl.LOCK_EX)
         if target.exists():
             return False
-        _build(model, caches, target)
+        _build(model, caches, block_size, target)
         return True
 
 
-def _build(model: nn.Module, caches: list[torch.Tensor], target: Path) -> None:
+def _build(model: nn.Module, caches: list[torch.Tensor], block_size: int, target: Path) -> None:
     from torch._inductor import aoti_compile_and_package
     from torch.export import Dim
 
     use_tokenloop_cache_dir()
-    batch, context, slots = Dim("batch", min=1, max=2**16), Dim("context", min=2, max=2**24), Dim("slots", min=6, max=2**31)
+    tokens, seqs, blocks, slots = Dim("tokens", min=1, max=2**16), Dim("seqs", min=1, max=2**16), Dim("blocks", min=1, max=2**20), Dim("slots", min=6, max=2**31)
     num_layers = len(caches) // 2
     dynamic_shapes = (
-        {0: batch}, {0: batch}, {0: batch}, {0: batch}, {0: batch}, {0: batch, 1: context}, {0: batch, 3: context},
+        {0: tokens}, {0: tokens}, {0: tokens}, {0: seqs, 1: blocks}, {0: seqs}, {0: seqs}, {0: seqs},
         [{1: slots}] * num_layers, [{1: slots}] * num_layers,
     )
     with torch.no_grad():
-        program = torch.export.export(DecodeStep(model), example_inputs(torch.zeros(1, dtype=torch.int64), caches), dynamic_shapes=dynamic_shapes, strict=False)
+        step = DecodeStep(model, block_size)
+        program = torch.export.export(step, example_inputs(torch.zeros(1, dtype=torch.int64), caches), dynamic_shapes=dynamic_shapes, strict=False)
     configs = {
         "aot_inductor.package_constants_in_so": False,  # at load the package is given the model's own tensors
         # Loops are split for the machine's cores, and the code asks OpenMP for its thread count when it runs:
@@ -156,6 +158,7 @@ class CompileSpec:
     device: str
     keep_quantized: bool
     kv_dtype: str  # the KV caches' dtype name
+    block_size: int  # the KV cache's, which the package's attention calls take as a constant
 
 
 def use_tokenloop_cache_dir() -> None:
@@ -175,22 +178,23 @@ class DecodeForward:
     `background`: build a missing package in a child process and switch to it when it is ready (else build
     it here, before the first step)."""
 
-    def __init__(self, model: nn.Module, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], compile: bool, background: CompileSpec | None = None) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], block_size: int, compile: bool,
+                 background: CompileSpec | None = None) -> None:
+        self.model, self.block_size = model, block_size
         self.caches = [*k_caches, *v_caches]
         self.compiled = None
         self.built = False  # whether this process compiled the package (else it came from the cache or a child)
         self.worker: subprocess.Popen | None = None  # the background build, until its package is loaded
         if not compile:
             return
-        self.path = package_path(model, self.caches)
+        self.path = package_path(model, self.caches, block_size)
         try:
             if not self.path.exists() and background is not None:
                 self.worker = _start_worker(background, self.path)
                 return
             if not self.path.exists():
                 logger.info("compiling the decode step (%s; cached after)", BUILD_MINUTES_HINT)
-                self.built = build_package(model, self.caches, self.path)
+                self.built = build_package(model, self.caches, block_size, self.path)
             self.compiled = self._load()
         except Exception as e:  # noqa: BLE001 — export or C++ compilation failed: any error means "eager"
             warnings.warn(f"compiling the decode step failed, running it eager: {type(e).__name__}: {e}", stacklevel=2)
@@ -219,8 +223,7 @@ class DecodeForward:
         if decode_only and self.worker is not None:
             self.poll()
         if self.compiled is not None and decode_only:
-            (group,) = meta.groups  # a decode-only batch is one group
-            inputs = [input_ids, positions, meta.slot_mapping, group.query_index, group.output_index, group.key_slots, group.mask]
+            inputs = [input_ids, positions, meta.slot_mapping, meta.block_tables, meta.query_start, meta.query_count, meta.first_position]
             return self.compiled.run(inputs + self.caches)[0]
         return self.model(input_ids, positions, meta)
 

@@ -154,7 +154,7 @@ class LLMEngine:
         """How a background compile loads a model of this config: model path -> CompileSpec."""
         return lambda path: CompileSpec(
             str(path), str(config.torch_dtype).removeprefix("torch."), str(config.torch_device), config.dtype == "auto",
-            str(config.kv_cache_dtype).removeprefix("torch."),
+            str(config.kv_cache_dtype).removeprefix("torch."), config.block_size,
         )
 
     def _speculator(self, config: EngineConfig, num_blocks: int) -> Speculator:

@@ -20,16 +20,13 @@ from torch import nn
 from tokenloop.engine.compiled_decode import CompileSpec, DecodeForward
 from tokenloop.engine.scheduler import ScheduledBatch
 from tokenloop.engine.sequence import Sequence
-from tokenloop.models.attention import AttentionGroup, AttentionMetadata
+from tokenloop.models.attention import AttentionMetadata
 from tokenloop.models.config import ModelConfig
 from tokenloop.sampling.sampler import ProcessorInputs, Sampler, SamplerOutput, SamplingBatch, gather_logprobs
 from tokenloop.spec.rejection_sampler import verify
 
 
 SCORE_ROWS = 256  # logit rows log-softmaxed at once when scoring a sequence's own tokens
-# Past the prompt, up to this many new tokens of a sequence attend as decode rows; each row reads the whole
-# context, so a longer run is cheaper as one SDPA chunk.
-MAX_DECODE_ROWS = 17
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -168,7 +165,7 @@ class ModelRunner:
         layers = model.attention_layers()
         for attn in layers:
             attn.bind_cache(zeroed_pool(shape, kv_dtype, device), zeroed_pool(shape, kv_dtype, device))
-        self.forward = DecodeForward(model, [attn.k_cache for attn in layers], [attn.v_cache for attn in layers], compile, background)
+        self.forward = DecodeForward(model, [attn.k_cache for attn in layers], [attn.v_cache for attn in layers], block_size, compile, background)
         self.sampler = Sampler()
 
     def prepare(self, batch: ScheduledBatch) -> ModelInput:
@@ -191,25 +188,12 @@ class ModelRunner:
         positions = np.arange(len(seq_of_token)) - (ends - lens)[seq_of_token] + starts[seq_of_token]  # [T]
         slot_mapping = block_tables[seq_of_token, positions // bs] * bs + positions % bs
 
-        # Decodes attend as one query row per token, each with its own causal mask: the decode kernel's and the
-        # compiled step's one shape for any number of query tokens per sequence. They are the last token and a
-        # draft after it to verify, or a few tokens past the prompt (a draft model catching up with what its
-        # target accepted; a preempted sequence whose prompt came back from the prefix cache), which were decoded
-        # as such rows before. Prompt chunks attend in a group of their own: padded to one [B, Q] batch, each
-        # decode would be computed for as many query rows as the longest chunk has.
-        past_prompt = starts >= np.array([seq.num_prompt_tokens for seq in batch.seqs], dtype=np.int64)
-        decodes = (lens == 1 + np.array(drafts, dtype=np.int64)) | (past_prompt & (lens <= MAX_DECODE_ROWS))
-        decode_tokens = np.flatnonzero(decodes[seq_of_token])
-        groups = []
-        if decodes.any():
-            rows = self._attention_group(positions[decode_tokens], np.ones(len(decode_tokens), dtype=np.int64), decode_tokens,
-                                         block_tables[seq_of_token[decode_tokens]], whole_batch=bool(decodes.all()))
-            groups.append(rows)
-        if not decodes.all():
-            part = np.flatnonzero(~decodes)
-            groups.append(self._attention_group(starts[part], lens[part], (ends - lens)[part], block_tables[part], whole_batch=not decodes.any()))
+        # Each sequence's new tokens (prompt chunk, last token, draft to verify) attend as one entry; the attention
+        # kernel gives every query row the same floats whatever the entry's size, so how a sequence is scheduled
+        # changes no token.
         device = self.device
-        groups = [AttentionGroup(*(None if a is None else _to_device(a, device) for a in group)) for group in groups]
+        meta = AttentionMetadata(_to_device(slot_mapping, device), _to_device(block_tables, device), _to_device(ends - lens, device),
+                                 _to_device(lens, device), _to_device(starts, device), bs)
         spans, logit_rows = [], []
         for i, (seq, start, n, d, first_row) in enumerate(zip(batch.seqs, starts_list, batch.num_new_tokens, drafts, (ends - lens).tolist())):
             # Position p's logits score token p + 1: a prompt being scored asks for the rows of its new prompt
@@ -225,37 +209,11 @@ class ModelRunner:
         return ModelInput(
             input_ids=_to_device(np.array(input_ids, dtype=np.int64), device),
             positions=_to_device(positions, device),
-            meta=AttentionMetadata(_to_device(slot_mapping, device), groups),
+            meta=meta,
             logit_rows=_to_device(np.array(logit_rows, dtype=np.int64), device),
             spans=spans,
-            # The compiled package takes contexts of two tokens or more: a one-token prompt's first step runs eager.
-            decode_only=bool(decodes.all()) and int((starts + lens).max()) > 1,
+            decode_only=bool((lens == 1 + np.array(drafts, dtype=np.int64)).all()),
             block_copies=batch.block_copies,
-        )
-
-    def _attention_group(self, starts: np.ndarray, lens: np.ndarray, first_rows: np.ndarray, block_tables: np.ndarray, whole_batch: bool):
-        """AttentionGroup's arrays for some sequences of the batch (all of them: `whole_batch`): their first
-        computed positions, new-token counts, flat rows of their first new token, and block tables."""
-        bs = self.block_size
-        num_q, num_k = int(lens.max()), int((starts + lens).max())
-        q_offsets = np.arange(num_q, dtype=np.int64)
-        q_pos = starts[:, None] + q_offsets[None, :]  # [B, Q]
-        q_valid = q_offsets[None, :] < lens[:, None]  # [B, Q]
-        k_pos = np.arange(num_k, dtype=np.int64)
-        key_slots = block_tables[:, k_pos // bs] * bs + k_pos % bs  # [B, K]; padding keys point at block 0
-        # [B, Q, K] causal; padding queries still see key 0 (no NaN). Sliding-window layers narrow it to their
-        # window themselves (AttentionMetadata.windowed): the model's layers need not share one.
-        mask = k_pos[None, None, :] <= q_pos[:, :, None]
-        # One prompt from its first token: the mask is plain causal, which SDPA applies without reading a
-        # mask and skipping the blocks above the diagonal (~40% less attention time in a long prefill).
-        plain_causal = len(lens) == 1 and starts[0] == 0 and num_q > 1
-        query_index = np.where(q_valid, first_rows[:, None] + q_offsets[None, :], 0)
-        return (
-            query_index,
-            np.flatnonzero(q_valid),
-            key_slots,
-            None if plain_causal else mask.reshape(len(lens), 1, num_q, num_k),
-            None if whole_batch else query_index[q_valid],
         )
 
     @torch.inference_mode()

@@ -3,15 +3,18 @@
 - `quantized_matmul.cpp` computes x W^T for GGUF 4-, 5- and 8-bit weights the way llama.cpp does on a CPU:
   int8 activations and integer dot products. PyTorch ships no such kernel for AVX2 CPUs (its int4 kernel
   converts every weight to bfloat16 and is compute-bound on it), and this product is most of a step.
-- `float_matmul.cpp` computes x W^T for float32 weights and up to 32 activation rows in one pass over the
-  weights (BLAS packs them first for two rows or more: a verify step of the float32 path would cost two steps).
-- `paged_attention.cpp` computes decode attention straight from the paged KV cache, without gathering the
-  context into a dense float32 copy first.
-- `prefill_attention.cpp` computes a prompt's (or a prompt chunk's) attention over the paged cache in bfloat16
-  products on CPUs with AVX512-BF16: about twice SDPA's float32 speed, with no dense copy of the context.
-- `rms_norm.cpp` normalises an eager step's rows in one pass (eager PyTorch makes six).
-- `rotary_cache.cpp` rotates an eager step's queries and keys and writes its keys and values into the cache
-  in one pass (eager PyTorch makes about nine).
+- `float_matmul.cpp` computes x W^T for float32 weights (the exact path), each output one fixed sum over K for any
+  row count, a few rows in one pass over the weights (BLAS packs them first, and sums in an order that changes
+  with the shape).
+- `paged_attention.cpp` computes every query's attention (prompt chunks, decodes, drafts) straight from the paged
+  KV cache, each query row in one fixed order whatever the call: bfloat16 products on CPUs with AVX512-BF16 and
+  a float16 cache, float32 otherwise.
+- `rms_norm.cpp` normalises rows in one pass (eager PyTorch makes six).
+- `rotary_cache.cpp` rotates queries and keys and writes keys and values into the cache in one pass (eager
+  PyTorch makes about nine).
+
+Every op has a fake implementation (its output's shape), so the compiled decode step calls these same kernels:
+eager and compiled steps run one program and give the same floats.
 
 The library is built with the C++ compiler inductor uses too, against the installed torch's headers, once
 per source/torch version (about 20 s). Where it cannot be built or run (no compiler, no AVX2, not x86), it
@@ -44,7 +47,7 @@ CXX_FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-mavx2", "-mfma", "-mf16c
 # The library is built on the machine that runs it, so it may use what this CPU has beyond AVX2: AVX512-VNNI's
 # byte dot products, on 512-bit vectors (two groups of weight rows at once) and 256-bit ones (VL). Same results.
 VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
-# And AVX512-BF16's bfloat16 dot products, for prefill attention (prefill_attention.cpp, built only with them).
+# And AVX512-BF16's bfloat16 dot products, for attention (paged_attention.cpp uses them only where built with them).
 BF16_FLAGS = ["-mavx512bf16"]
 
 
@@ -68,11 +71,6 @@ def cpu_kernels_available() -> bool:
             why = f"building or loading it failed: {getattr(e, 'stderr', None) or e}"
     warnings.warn(f"tokenloop's CPU kernels are not used ({why}); quantized weights are dequantized for every product, which is slower", stacklevel=2)
     return False
-
-
-def prefill_attention_available() -> bool:
-    """Whether tokenloop::prefill_attention is built: on CPUs with AVX512-BF16 (else attention runs SDPA)."""
-    return cpu_kernels_available() and hasattr(torch.ops.tokenloop, "prefill_attention")
 
 
 def _unsupported_reason() -> str | None:
@@ -115,7 +113,7 @@ def _built_library() -> Path:
 def _register_fake_kernels() -> None:
     """Output shapes for torch.compile, which traces the ops without running them."""
 
-    # Weight rows come in interleaved groups of 8 (weight.shape[0] groups).
+    # Weight rows come in interleaved groups of 8 (weight.shape[0] groups); a gated product takes [gate | up].
     @torch.library.register_fake("tokenloop::q4_matmul")
     def _(x, weight, scale, offset, scale_per_256=None, offset_per_256=None):
         return x.new_empty(x.shape[0], weight.shape[0] * 8)
@@ -128,16 +126,31 @@ def _register_fake_kernels() -> None:
     def _(x, weight, scale):
         return x.new_empty(x.shape[0], weight.shape[0] * 8)
 
+    @torch.library.register_fake("tokenloop::q4_gated_matmul")
+    def _(gate_up, weight, scale, offset, activation, scale_per_256=None, offset_per_256=None):
+        return gate_up.new_empty(gate_up.shape[0], weight.shape[0] * 8)
+
+    @torch.library.register_fake("tokenloop::q8_gated_matmul")
+    def _(gate_up, weight, scale, activation, scale_per_256=None):
+        return gate_up.new_empty(gate_up.shape[0], weight.shape[0] * 8)
+
+    @torch.library.register_fake("tokenloop::q5_gated_matmul")
+    def _(gate_up, weight, scale, activation):
+        return gate_up.new_empty(gate_up.shape[0], weight.shape[0] * 8)
+
     @torch.library.register_fake("tokenloop::f32_matmul")
     def _(x, weight):
         return x.new_empty(x.shape[0], weight.shape[0])
 
-    if hasattr(torch.ops.tokenloop, "prefill_attention"):
+    @torch.library.register_fake("tokenloop::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x)
 
-        @torch.library.register_fake("tokenloop::prefill_attention")
-        def _(q, k_cache, v_cache, key_slots, first, window, scale):
-            return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    # Writes q and k in place (rotated) and k and v into the caches: the schema marks them mutated.
+    @torch.library.register_fake("tokenloop::rotary_cache_write")
+    def _(qkv, cos, sin, k_cache, v_cache, slot_mapping, q_heads, q_norm=None, k_norm=None, eps=0.0):
+        return None
 
-    @torch.library.register_fake("tokenloop::paged_decode_attention")
-    def _(q, k_cache, v_cache, key_slots, mask, scale):
-        return torch.empty_like(q)
+    @torch.library.register_fake("tokenloop::paged_attention")
+    def _(q, k_cache, v_cache, block_tables, block_size, query_start, query_count, first_position, window, scale):
+        return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])

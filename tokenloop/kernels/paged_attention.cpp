@@ -1,13 +1,21 @@
-// Decode attention read straight from the paged KV cache: one new query per sequence attends to the cache
-// slots of its context. Gathering those slots into a dense float32 [B, heads, K, D] tensor for SDPA first
-// (what the model does for prefill) costs more than the attention itself at decode's one query: it writes
-// every key and value once more, in float32, on every step. Here each key and value is read once, in the
-// cache's own dtype (float16 on the fast path), and the scores stay in a per-thread buffer.
+// Attention straight from the paged KV cache, for every query of a step: prompt chunks, decodes and draft rows to
+// verify alike. Each query row's output is one fixed sequence of floating-point operations that depends only on
+// the row, its position and its context: never on how many queries share the call, which rows are beside it, how
+// its prompt was chunked, or how many threads run. So a token gets the same floats prefilled in a chunk of 1,000 as
+// decoded alone, and a request the same tokens whatever else is in the batch.
 //
-// The caches are [kv_heads, slots, D]: one KV head's rows of a block are contiguous, so a (sequence, KV head)
-// reads runs of block_size rows rather than one row in every kv_heads. Work is split over (sequence, KV head)
-// pairs; the query heads that share a KV head (grouped-query attention) are computed together, so each key
-// and value vector is loaded and converted once for all of them.
+// The order, per query row: its context in blocks of 32 keys aligned to absolute positions (keys 0..31, 32..63,
+// ...), in increasing order; per block, the scores (a fixed sum over the head's dimensions), then flash
+// attention's online softmax (a running maximum and sum, the output rescaled when the maximum grows), then the
+// probabilities times the values (a fixed sum over the block's keys); at the end, the output divided by the sum.
+// A block that the row may not see at all (past its position, or before its sliding window) changes nothing:
+// its probabilities are exact zeros and its rescale factor exactly 1. Work items (entry, KV head, block of query
+// positions) may therefore start at any block and cover any rows.
+//
+// The products: on CPUs with AVX512-BF16 and a float16 cache, AVX512-BF16's vdpbf16ps on queries, keys,
+// probabilities and values rounded to bfloat16 (32 multiply-adds an instruction), sums in float32; otherwise
+// float32 FMAs (the exact float32 path). The context is read from the cache once per work item (or once per
+// entry and KV head for a long prompt chunk), into blocks laid out for those products.
 #define CPU_CAPABILITY AVX2
 #define CPU_CAPABILITY_AVX2
 #include <ATen/Parallel.h>
@@ -20,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "kv_cache.h"
@@ -27,167 +36,449 @@
 
 namespace {
 
+constexpr int64_t kKeys = 32;       // keys per block, aligned to absolute positions
+constexpr int64_t kQueryRows = 64;  // query rows (positions x query heads of a KV head) per work item
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+// In place, the rows of an 8 x 8 float matrix become its columns.
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8];
+  for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  __m256 u[8];
+  for (int i = 0; i < 8; i += 4)
+    for (int j = 0; j < 2; ++j) {
+      u[i + j] = _mm256_shuffle_ps(t[i + j], t[i + j + 2], _MM_SHUFFLE(1, 0, 1, 0));
+      u[i + j + 2] = _mm256_shuffle_ps(t[i + j], t[i + j + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+  // u[i + b] (b = 0..3) holds, in 128-bit lane L, column 4L + c(b) of rows i .. i + 3, with c = 0, 2, 1, 3.
+  const int order[4] = {0, 2, 1, 3};
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2f128_ps(u[order[c]], u[4 + order[c]], 0x20);
+    r[c + 4] = _mm256_permute2f128_ps(u[order[c]], u[4 + order[c]], 0x31);
+  }
 }
 
-// p[j] = exp(p[j] - max) for j < n; returns their sum. Masked scores are -inf and become 0.
-float exp_and_sum(float* p, int64_t n, float max) {
+// The context of one (entry, KV head) from key block `first_block` on, in `Products`'s layout.
+template <typename Packed>
+struct PackedContext {
+  std::vector<Packed> keys, values;
+  int64_t first_block = 0, block_elems = 0;  // elements of one block's keys (and of its values)
+
+  const Packed* key_block(int64_t block) const { return keys.data() + (block - first_block) * block_elems; }
+  const Packed* value_block(int64_t block) const { return values.data() + (block - first_block) * block_elems; }
+};
+
+// Float32 products on 8-lane vectors (AVX2; the same floats on an AVX-512 CPU). Queries [D] floats; a block's keys
+// [D][32] (each dimension's value for the 32 keys: one broadcast query value times 4 vectors of keys), its values
+// [32][D]; probabilities [32] floats.
+struct F32Products {
+  using Packed = float;
+  static constexpr int kScoreRows = 2;   // query rows per tile of scores: 2 x 4 accumulators
+  static constexpr int kOutputRows = 2;  // query rows per tile of outputs: 2 x 4 accumulators of 8 dimensions
+  static int64_t query_elems(int64_t d) { return d; }
+  static int64_t block_elems(int64_t d) { return kKeys * d; }
+  static constexpr int64_t kProbElems = kKeys;
+
+  template <typename T>
+  static void pack_query(const T* x, int64_t d, Packed* out) {
+    for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(out + i, load8(x + i));
+  }
+
+  // Keys key0 .. key0 + n - 1 of a block (n <= 32; the rest zeros), their rows at key(j) and value(j).
+  template <typename T, typename KeyRow, typename ValueRow>
+  static void pack_block(KeyRow&& key, ValueRow&& value, int64_t n, int64_t d, Packed* keys, Packed* values) {
+    for (int64_t j0 = 0; j0 < kKeys; j0 += 8)
+      for (int64_t i = 0; i < d; i += 8) {  // 8 dimensions of 8 keys, transposed
+        __m256 r[8];
+        for (int j = 0; j < 8; ++j) r[j] = j0 + j < n ? load8(key(j0 + j) + i) : _mm256_setzero_ps();
+        transpose8(r);
+        for (int c = 0; c < 8; ++c) _mm256_storeu_ps(keys + (i + c) * kKeys + j0, r[c]);
+      }
+    for (int64_t j = 0; j < kKeys; ++j)
+      for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(values + j * d + i, j < n ? load8(value(j) + i) : _mm256_setzero_ps());
+  }
+
+  // scores [kRows][32] = scale * q . k, each score summed over the dimensions in order.
+  template <int kRows>
+  static void score_tile(const Packed* q, const Packed* keys, int64_t d, float scale, float* scores) {
+    __m256 acc[kRows][4];
+    for (auto& row : acc)
+      for (auto& a : row) a = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; ++i) {
+      __m256 k[4];
+      for (int c = 0; c < 4; ++c) k[c] = _mm256_loadu_ps(keys + i * kKeys + 8 * c);
+      for (int r = 0; r < kRows; ++r) {
+        const __m256 qv = _mm256_set1_ps(q[r * d + i]);
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_fmadd_ps(qv, k[c], acc[r][c]);
+      }
+    }
+    const __m256 s = _mm256_set1_ps(scale);
+    for (int r = 0; r < kRows; ++r)
+      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(scores + r * kKeys + 8 * c, _mm256_mul_ps(acc[r][c], s));
+  }
+
+  static void pack_probs(const float* x, Packed* p) { std::copy(x, x + kKeys, p); }
+
+  // out [kRows][D] = out * rescale + p . v, each sum over the block's keys in order; dimensions in pieces of 32.
+  template <int kRows>
+  static void output_tile(const Packed* p, const float* rescale, const Packed* values, int64_t d, float* out) {
+    for (int64_t dim0 = 0; dim0 < d; dim0 += 32) {
+      const int vectors = static_cast<int>(std::min<int64_t>(4, (d - dim0) / 8));
+      __m256 acc[kRows][4];
+      for (int r = 0; r < kRows; ++r)
+        for (int c = 0; c < vectors; ++c) acc[r][c] = _mm256_mul_ps(_mm256_loadu_ps(out + r * d + dim0 + 8 * c), _mm256_set1_ps(rescale[r]));
+      for (int64_t j = 0; j < kKeys; ++j) {
+        __m256 v[4];
+        for (int c = 0; c < vectors; ++c) v[c] = _mm256_loadu_ps(values + j * d + dim0 + 8 * c);
+        for (int r = 0; r < kRows; ++r) {
+          const __m256 pj = _mm256_set1_ps(p[r * kKeys + j]);
+          for (int c = 0; c < vectors; ++c) acc[r][c] = _mm256_fmadd_ps(pj, v[c], acc[r][c]);
+        }
+      }
+      for (int r = 0; r < kRows; ++r)
+        for (int c = 0; c < vectors; ++c) _mm256_storeu_ps(out + r * d + dim0 + 8 * c, acc[r][c]);
+    }
+  }
+};
+
+#ifdef __AVX512BF16__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+// 16 floats → 16 bfloat16 (round to nearest even).
+inline __m256i bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+inline __m512i to_bf16_lanes(__m512 v) { return _mm512_cvtepu16_epi32(bf16(v)); }
+inline __m512 dot(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+
+// In place, the rows of a 16 x 16 matrix of 32-bit elements become its columns.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  for (int i = 0; i < 16; i += 4)
+    for (int j = 0; j < 2; ++j) {
+      r[i + j] = _mm512_unpacklo_epi64(t[i + j], t[i + j + 2]);
+      r[i + j + 2] = _mm512_unpackhi_epi64(t[i + j], t[i + j + 2]);
+    }
+  // r[4a + b] now holds, in each 128-bit lane L, column (4L + c(b)) of rows 4a .. 4a + 3, with c = 0, 2, 1, 3.
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], _MM_SHUFFLE(2, 0, 2, 0));
+      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], _MM_SHUFFLE(3, 1, 3, 1));
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], _MM_SHUFFLE(2, 0, 2, 0));
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], _MM_SHUFFLE(3, 1, 3, 1));
+  }
+  // r[k]: column 4 (k / 4) + c(k % 4) of every row, with c = 0, 2, 1, 3 as above; put them in order.
+  __m512i out[16];
+  const int cb[4] = {0, 2, 1, 3};
+  for (int k = 0; k < 16; ++k) out[4 * (k / 4) + cb[k % 4]] = r[k];
+  for (int k = 0; k < 16; ++k) r[k] = out[k];
+}
+
+// bfloat16 products on 16-lane vectors (AVX512-BF16). Queries as D / 2 pairs; a block's keys [D / 2][32] (per pair
+// of dimensions, that pair of each key), its values [16][D] (per pair of keys, each dimension's two values);
+// probabilities as 16 pairs.
+struct Bf16Products {
+  using Packed = uint32_t;
+  static constexpr int kScoreRows = 8;   // 8 x 2 accumulators
+  static constexpr int kOutputRows = 4;  // 4 x 4 accumulators of 16 dimensions
+  static int64_t query_elems(int64_t d) { return d / 2; }
+  static int64_t block_elems(int64_t d) { return kKeys * d / 2; }
+  static constexpr int64_t kProbElems = kKeys / 2;
+
+  template <typename T>
+  static void pack_query(const T* x, int64_t d, Packed* out) {
+    for (int64_t i = 0; i < d; i += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(reinterpret_cast<uint16_t*>(out) + i), bf16(load16(x + i)));
+  }
+
+  template <typename T, typename KeyRow, typename ValueRow>
+  static void pack_block(KeyRow&& key, ValueRow&& value, int64_t n, int64_t d, Packed* keys, Packed* values) {
+    for (int64_t j0 = 0; j0 < kKeys; j0 += 16)
+      for (int64_t i = 0; i < d; i += 32) {  // 16 pairs of dimensions of 16 keys, transposed
+        __m512i r[16];
+        for (int j = 0; j < 16; ++j) {
+          if (j0 + j >= n) {
+            r[j] = _mm512_setzero_si512();
+            continue;
+          }
+          const T* x = key(j0 + j) + i;
+          const __m512i lo = to_bf16_lanes(load16(x)), hi = to_bf16_lanes(load16(x + 16));
+          // dimensions i .. i + 31 as 16 pairs: (2p, 2p + 1) in the low and high halves of lane p
+          const __m512i idx_even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+          const __m512i idx_odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+          const __m512i even = _mm512_permutex2var_epi32(lo, idx_even, hi), odd = _mm512_permutex2var_epi32(lo, idx_odd, hi);
+          r[j] = _mm512_or_si512(even, _mm512_slli_epi32(odd, 16));
+        }
+        transpose16(r);
+        for (int p = 0; p < 16; ++p) _mm512_storeu_si512(keys + (i / 2 + p) * kKeys + j0, r[p]);
+      }
+    for (int64_t pair = 0; pair < kKeys / 2; ++pair) {
+      const int64_t a = 2 * pair, c = a + 1;
+      for (int64_t i = 0; i < d; i += 16) {
+        const __m512 va = a < n ? load16(value(a) + i) : _mm512_setzero_ps();
+        const __m512 vc = c < n ? load16(value(c) + i) : _mm512_setzero_ps();
+        _mm512_storeu_si512(values + pair * d + i, _mm512_or_si512(to_bf16_lanes(va), _mm512_slli_epi32(to_bf16_lanes(vc), 16)));
+      }
+    }
+  }
+
+  template <int kRows>
+  static void score_tile(const Packed* q, const Packed* keys, int64_t d, float scale, float* scores) {
+    __m512 acc[kRows][2];
+    for (auto& row : acc) row[0] = row[1] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < d / 2; ++p) {
+      const __m512i k0 = _mm512_loadu_si512(keys + p * kKeys), k1 = _mm512_loadu_si512(keys + p * kKeys + 16);
+      for (int r = 0; r < kRows; ++r) {
+        const __m512i qp = _mm512_set1_epi32(static_cast<int>(q[r * (d / 2) + p]));
+        acc[r][0] = dot(acc[r][0], qp, k0);
+        acc[r][1] = dot(acc[r][1], qp, k1);
+      }
+    }
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int r = 0; r < kRows; ++r) {
+      _mm512_storeu_ps(scores + r * kKeys, _mm512_mul_ps(acc[r][0], s));
+      _mm512_storeu_ps(scores + r * kKeys + 16, _mm512_mul_ps(acc[r][1], s));
+    }
+  }
+
+  static void pack_probs(const float* x, Packed* p) {
+    for (int64_t j = 0; j < kKeys; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(reinterpret_cast<uint16_t*>(p) + j), bf16(_mm512_loadu_ps(x + j)));
+  }
+
+  template <int kRows>
+  static void output_tile(const Packed* p, const float* rescale, const Packed* values, int64_t d, float* out) {
+    for (int64_t dim0 = 0; dim0 < d; dim0 += 64) {
+      const int vectors = static_cast<int>(std::min<int64_t>(4, (d - dim0) / 16));
+      __m512 acc[kRows][4];
+      for (int r = 0; r < kRows; ++r)
+        for (int c = 0; c < vectors; ++c) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(out + r * d + dim0 + 16 * c), _mm512_set1_ps(rescale[r]));
+      for (int64_t pair = 0; pair < kKeys / 2; ++pair) {
+        __m512i v[4];
+        for (int c = 0; c < vectors; ++c) v[c] = _mm512_loadu_si512(values + pair * d + dim0 + 16 * c);
+        for (int r = 0; r < kRows; ++r) {
+          const __m512i pp = _mm512_set1_epi32(static_cast<int>(p[r * (kKeys / 2) + pair]));
+          for (int c = 0; c < vectors; ++c) acc[r][c] = dot(acc[r][c], pp, v[c]);
+        }
+      }
+      for (int r = 0; r < kRows; ++r)
+        for (int c = 0; c < vectors; ++c) _mm512_storeu_ps(out + r * d + dim0 + 16 * c, acc[r][c]);
+    }
+  }
+};
+#endif
+
+// exp(x - max) of 32 scores in place (-inf → 0); returns their sum, in a fixed order.
+float exp_block(float* x, float max) {
   using Vec = at::vec::Vectorized<float>;
   Vec sum(0.f);
-  int64_t j = 0;
-  for (; j + Vec::size() <= n; j += Vec::size()) {
-    const Vec e = (Vec::loadu(p + j) - Vec(max)).exp_u20();
-    e.store(p + j);
+  for (int64_t j = 0; j < kKeys; j += Vec::size()) {
+    const Vec e = (Vec::loadu(x + j) - Vec(max)).exp_u20();
+    e.store(x + j);
     sum = sum + e;
   }
-  float total = hsum(sum);
-  for (; j < n; ++j) total += (p[j] = std::exp(p[j] - max));
+  float parts[Vec::size()];
+  sum.store(parts);
+  float total = 0.f;
+  for (const float part : parts) total += part;
   return total;
 }
 
-// How many keys ahead the loops ask for rows. With many sequences the keys and values come from memory, and
-// the blocks of a sequence are scattered, so the hardware prefetcher cannot guess the next one (at 32
-// sequences, 8 keys ahead took about 0.6 of the time without; 16 or 32 did no better).
-constexpr int64_t kPrefetchKeys = 8;
+// One entry of the call: `count` query rows from flat row `row`, at positions first .. first + count - 1, whose
+// context (positions 0 .. first + count - 1) lives in the cache blocks of `table`.
+struct Entry {
+  int64_t row, count, first;
+  const int64_t* table;
+};
 
-template <typename T>
-inline void prefetch_row(const T* row, int64_t head_dim) {
-  for (int64_t b = 0; b < head_dim * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
+struct Cache {
+  int64_t kv_heads, slots, d, block_size, window;
+};
+
+// Keys a query at `pos` may see: lowest_key(pos) .. pos.
+inline int64_t lowest_key(int64_t pos, int64_t window) { return window > 0 ? std::max<int64_t>(pos - window + 1, 0) : 0; }
+
+template <typename P, typename T>
+void pack_context(const T* k_cache, const T* v_cache, const Entry& e, int64_t h, const Cache& c, int64_t first_block, int64_t end_block,
+                  PackedContext<typename P::Packed>& out, bool parallel) {
+  const int64_t num_keys = e.first + e.count, d = c.d;
+  out.first_block = first_block, out.block_elems = P::block_elems(d);
+  out.keys.resize((end_block - first_block) * out.block_elems);
+  out.values.resize((end_block - first_block) * out.block_elems);
+  const T* k_head = k_cache + h * c.slots * d;
+  const T* v_head = v_cache + h * c.slots * d;
+  auto pack = [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t key0 = (first_block + b) * kKeys, n = std::min(kKeys, num_keys - key0);
+      auto slot = [&](int64_t j) { const int64_t pos = key0 + j; return e.table[pos / c.block_size] * c.block_size + pos % c.block_size; };
+      auto key = [&](int64_t j) { return k_head + slot(j) * d; };
+      auto value = [&](int64_t j) { return v_head + slot(j) * d; };
+      typename P::Packed* kb = out.keys.data() + b * out.block_elems;
+      typename P::Packed* vb = out.values.data() + b * out.block_elems;
+      P::template pack_block<T>(key, value, n, d, kb, vb);
+    }
+  };
+  if (parallel) parallel_chunks(end_block - first_block, 4, pack);
+  else pack(0, end_block - first_block);
 }
 
-// scores[g][j] = scale * q[g] . keys[j] for kHeads query heads, three keys at a time (independent chains of
-// multiply-adds to overlap); each key vector is loaded once for all heads.
-template <int kHeads, typename T>
-void score_keys(const float* q, const T* const* keys, int64_t n, int64_t head_dim, float scale, float* scores) {
-  constexpr int kKeys = 3;
-  for (int64_t j = 0; j < n; j += kKeys) {
-    const T* k[kKeys];
-    for (int i = 0; i < kKeys; ++i) {
-      k[i] = keys[std::min<int64_t>(j + i, n - 1)];  // past the end: repeat the last key
-      prefetch_row(keys[std::min<int64_t>(j + i + kPrefetchKeys, n - 1)], head_dim);
-    }
-    __m256 acc[kHeads][kKeys];
-    for (int g = 0; g < kHeads; ++g)
-      for (int i = 0; i < kKeys; ++i) acc[g][i] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < head_dim; d += 8) {
-      __m256 kv[kKeys];
-      for (int i = 0; i < kKeys; ++i) kv[i] = load8(k[i] + d);
-      for (int g = 0; g < kHeads; ++g) {
-        const __m256 qv = _mm256_loadu_ps(q + g * head_dim + d);
-        for (int i = 0; i < kKeys; ++i) acc[g][i] = _mm256_fmadd_ps(qv, kv[i], acc[g][i]);
+template <typename P>
+struct Scratch {
+  std::vector<typename P::Packed> q, p;
+  std::vector<float> out, scores, max, sum, rescale;
+  PackedContext<typename P::Packed> context;  // an item's own context, when its entry has one item per KV head
+};
+
+// fn(std::integral_constant<int, rows>) for a tile of up to `rows` query rows: the smaller tile where it covers them.
+template <int kMax, typename Fn>
+inline void with_tile(int64_t rows, Fn&& fn) {
+  if (kMax > 4 && rows <= 4) fn(std::integral_constant<int, 4>{});
+  else fn(std::integral_constant<int, kMax>{});
+}
+
+// Query rows [i0, i1) of entry e (positions e.first + i), the `group` query heads of KV head h; ctx holds blocks
+// from ctx.first_block on.
+template <typename P>
+void attend_item(const float* q, int64_t q_row_stride, float* out, int64_t out_row_stride, const Entry& e, const Cache& c, int64_t h,
+                 int64_t group, int64_t i0, int64_t i1, float scale, const PackedContext<typename P::Packed>& ctx, Scratch<P>& s) {
+  const int64_t d = c.d, rows = (i1 - i0) * group, qe = P::query_elems(d);
+  constexpr int64_t kTile = std::max(P::kScoreRows, P::kOutputRows);
+  const int64_t padded = (rows + kTile - 1) / kTile * kTile;
+  s.q.assign(padded * qe, 0);
+  s.p.assign(padded * P::kProbElems, 0);
+  s.out.assign(padded * d, 0.f);
+  s.scores.resize(padded * kKeys);
+  s.max.assign(padded, kNegInf);
+  s.sum.assign(padded, 0.f);
+  s.rescale.assign(padded, 1.f);
+  // Row r: position i0 + r / group, query head h * group + r % group.
+  for (int64_t r = 0; r < rows; ++r) P::pack_query(q + (e.row + i0 + r / group) * q_row_stride + (h * group + r % group) * d, d, s.q.data() + r * qe);
+  const int64_t end = e.first + i1;
+  for (int64_t block = lowest_key(e.first + i0, c.window) / kKeys; block * kKeys < end; ++block) {
+    const int64_t key0 = block * kKeys;
+    with_tile<P::kScoreRows>(rows, [&](auto tile) {
+      constexpr int kRows = decltype(tile)::value;
+      for (int64_t r = 0; r < padded; r += kRows) P::template score_tile<kRows>(s.q.data() + r * qe, ctx.key_block(block), d, scale, s.scores.data() + r * kKeys);
+    });
+    for (int64_t r = 0; r < rows; ++r) {
+      float* x = s.scores.data() + r * kKeys;
+      const int64_t pos = e.first + i0 + r / group;
+      // Keys key0 + j visible from pos: j in [lo, hi).
+      const int64_t lo = std::clamp<int64_t>(lowest_key(pos, c.window) - key0, 0, kKeys), hi = std::clamp<int64_t>(pos + 1 - key0, 0, kKeys);
+      for (int64_t j = 0; j < lo; ++j) x[j] = kNegInf;
+      for (int64_t j = std::max(hi, lo); j < kKeys; ++j) x[j] = kNegInf;
+      float block_max = kNegInf;
+      for (int64_t j = lo; j < hi; ++j) block_max = std::max(block_max, x[j]);
+      const float new_max = std::max(s.max[r], block_max);
+      if (new_max == kNegInf) {  // nothing visible yet: no probabilities, nothing to rescale
+        std::fill_n(x, kKeys, 0.f);
+        s.rescale[r] = 1.f;
+      } else {
+        s.rescale[r] = std::exp(s.max[r] - new_max);  // 0 on the first visible block (max was -inf), 1 if unchanged
+        s.sum[r] = s.sum[r] * s.rescale[r] + exp_block(x, new_max);
+        s.max[r] = new_max;
       }
+      P::pack_probs(x, s.p.data() + r * P::kProbElems);
     }
-    for (int g = 0; g < kHeads; ++g)
-      for (int i = 0; i < kKeys && j + i < n; ++i) scores[g * n + j + i] = hsum(acc[g][i]) * scale;
+    with_tile<P::kOutputRows>(rows, [&](auto tile) {
+      constexpr int kRows = decltype(tile)::value;
+      for (int64_t r = 0; r < padded; r += kRows)
+        P::template output_tile<kRows>(s.p.data() + r * P::kProbElems, s.rescale.data() + r, ctx.value_block(block), d, s.out.data() + r * d);
+    });
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* y = out + (e.row + i0 + r / group) * out_row_stride + (h * group + r % group) * d;
+    const float inverse = 1.f / s.sum[r];
+    for (int64_t i = 0; i < d; ++i) y[i] = s.out[r * d + i] * inverse;
   }
 }
 
-// out[g][d0 .. d0 + 8 kVectors) = sum_j p[g][j] * values[j][same lanes] for kHeads heads, the sums in registers
-// (all sizes known at compile time: a runtime bound made gcc keep them on the stack); each value vector is
-// loaded once for all heads. `prefetch`: ask for rows ahead (the first lanes' pass reads them from memory).
-template <int kHeads, int kVectors, typename T>
-void weigh_value_lanes(const float* p, const T* const* values, int64_t n, int64_t head_dim, int64_t d0, bool prefetch, float* out) {
-  __m256 acc[kHeads][kVectors];
-  for (int g = 0; g < kHeads; ++g)
-    for (int v = 0; v < kVectors; ++v) acc[g][v] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    if (prefetch) prefetch_row(values[std::min<int64_t>(j + kPrefetchKeys, n - 1)], head_dim);
-    __m256 pj[kHeads];
-    for (int g = 0; g < kHeads; ++g) pj[g] = _mm256_set1_ps(p[g * n + j]);
-    for (int v = 0; v < kVectors; ++v) {
-      const __m256 x = load8(values[j] + d0 + 8 * v);
-      for (int g = 0; g < kHeads; ++g) acc[g][v] = _mm256_fmadd_ps(pj[g], x, acc[g][v]);
-    }
+template <typename P, typename T>
+void attention(const float* q, int64_t q_row_stride, int64_t heads, const T* k_cache, const T* v_cache, const std::vector<Entry>& entries,
+               const Cache& c, float scale, float* y) {
+  const int64_t group = heads / c.kv_heads, positions = std::max<int64_t>(kQueryRows / group, 1);
+  struct Item {
+    int64_t entry, h, i0, i1;
+  };
+  std::vector<Item> items;
+  // A long prompt chunk's context is packed once per KV head, for all its items; the others pack their own.
+  std::vector<PackedContext<typename P::Packed>> shared(entries.size() * c.kv_heads);
+  for (int64_t b = 0; b < static_cast<int64_t>(entries.size()); ++b) {
+    const Entry& e = entries[b];
+    const int64_t blocks = (e.count + positions - 1) / positions;
+    for (int64_t i = blocks - 1; i >= 0; --i)  // the latest positions (most keys) first
+      for (int64_t h = 0; h < c.kv_heads; ++h) items.push_back({b, h, i * positions, std::min(e.count, (i + 1) * positions)});
+    if (blocks > 1)
+      for (int64_t h = 0; h < c.kv_heads; ++h)
+        pack_context<P>(k_cache, v_cache, e, h, c, lowest_key(e.first, c.window) / kKeys, (e.first + e.count + kKeys - 1) / kKeys,
+                        shared[b * c.kv_heads + h], true);
   }
-  for (int g = 0; g < kHeads; ++g)
-    for (int v = 0; v < kVectors; ++v) _mm256_storeu_ps(out + g * head_dim + d0 + 8 * v, acc[g][v]);
-}
-
-// out[g] = sum_j p[g][j] * values[j] for kHeads heads: 32 lanes at a time, then 8.
-template <int kHeads, typename T>
-void weigh_values(const float* p, const T* const* values, int64_t n, int64_t head_dim, float* out) {
-  int64_t d0 = 0;
-  for (; d0 + 32 <= head_dim; d0 += 32) weigh_value_lanes<kHeads, 4>(p, values, n, head_dim, d0, d0 == 0, out);
-  for (; d0 < head_dim; d0 += 8) weigh_value_lanes<kHeads, 1>(p, values, n, head_dim, d0, d0 == 0, out);
-}
-
-// fn(std::integral_constant<int, h>), h = min(3, heads) for heads >= 1: query heads go through the templates
-// above in slices of up to three (more would leave too few registers for the keys).
-template <typename Fn>
-inline void with_head_slice(int64_t heads, Fn&& fn) {
-  if (heads >= 3) fn(std::integral_constant<int, 3>{});
-  else if (heads == 2) fn(std::integral_constant<int, 2>{});
-  else fn(std::integral_constant<int, 1>{});
-}
-
-// One (sequence, KV head): q [group, D] (the query heads sharing the KV head), keys and values the rows of
-// the n allowed context positions; writes out [group, D]. scores: a [group, n] buffer.
-template <typename T>
-void attend(const float* q, const T* const* keys, const T* const* values, int64_t n, int64_t group, int64_t head_dim, float scale,
-            float* scores, float* out) {
-  for (int64_t g = 0; g < group; g += 3)
-    with_head_slice(group - g, [&](auto heads) { score_keys<decltype(heads)::value>(q + g * head_dim, keys, n, head_dim, scale, scores + g * n); });
-  for (int64_t g = 0; g < group; ++g) {  // softmax, normalized here so that the value sums need no scaling after
-    float* sg = scores + g * n;
-    const float inv_sum = 1.f / exp_and_sum(sg, n, *std::max_element(sg, sg + n));
-    for (int64_t j = 0; j < n; ++j) sg[j] *= inv_sum;
-  }
-  for (int64_t g = 0; g < group; g += 3)
-    with_head_slice(group - g, [&](auto heads) { weigh_values<decltype(heads)::value>(scores + g * n, values, n, head_dim, out + g * head_dim); });
-}
-
-template <typename T>
-void decode_attention(const float* q, const T* k_cache, const T* v_cache, const int64_t* key_slots, const bool* mask, float* out,
-                      int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t slots, int64_t head_dim, int64_t context, float scale) {
-  const int64_t group = q_heads / kv_heads;
-  parallel_chunks(batch * kv_heads, chunk_size(batch * kv_heads, 1, 4), [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> scores;
-    thread_local std::vector<const T*> keys, values;
-    scores.resize(group * context);
-    keys.resize(context);
-    values.resize(context);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kv_heads, h = task % kv_heads;
-      int64_t n = 0;  // the allowed positions' rows, so that the loops above never look at the mask
-      for (int64_t j = 0; j < context; ++j) {
-        if (!mask[b * context + j]) continue;
-        const int64_t row = (h * slots + key_slots[b * context + j]) * head_dim;
-        keys[n] = k_cache + row;
-        values[n++] = v_cache + row;
+  parallel_chunks(static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    thread_local Scratch<P> scratch;
+    for (int64_t n = begin; n < end; ++n) {
+      const Item& it = items[n];
+      const Entry& e = entries[it.entry];
+      const PackedContext<typename P::Packed>* ctx = &shared[it.entry * c.kv_heads + it.h];
+      if (e.count <= positions) {
+        pack_context<P>(k_cache, v_cache, e, it.h, c, lowest_key(e.first + it.i0, c.window) / kKeys, (e.first + it.i1 + kKeys - 1) / kKeys,
+                        scratch.context, false);
+        ctx = &scratch.context;
       }
-      const int64_t first = (b * q_heads + h * group) * head_dim;
-      if (n == 0)  // no key allowed (never in a real batch): zeros rather than NaN
-        std::fill(out + first, out + first + group * head_dim, 0.f);
-      else
-        attend(q + first, keys.data(), values.data(), n, group, head_dim, scale, scores.data(), out + first);
+      attend_item<P>(q, q_row_stride, y, heads * c.d, e, c, it.h, group, it.i0, it.i1, scale, *ctx, scratch);
     }
   });
 }
 
-// q [B, q_heads, D] float32; caches [kv_heads, slots, D] float16 or float32; key_slots [B, K] int64 (the cache
-// slot of each context position); mask [B, K] bool (which of them the query may attend). Returns [B, q_heads, D].
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& key_slots,
-                                  const at::Tensor& mask, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be a contiguous [B, heads, head_dim] float32 tensor");
+// q [T, heads, D] float32 (rows of any stride; heads and dimensions contiguous); caches [kv_heads, slots, D];
+// block_tables [B, max_blocks] int64; entry b's query rows are query_start[b] .. + query_count[b] - 1 of q, at
+// positions first_position[b] onwards, and its context is positions 0 .. first_position[b] + query_count[b] - 1,
+// position p in slot block_tables[b][p / block_size] * block_size + p % block_size. window: a query at p attends
+// to keys p - window < j <= p (0: every j <= p). Every row of q belongs to one entry. Returns [T, heads * D].
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+                           int64_t block_size, const at::Tensor& query_start, const at::Tensor& query_count, const at::Tensor& first_position,
+                           int64_t window, double scale) {
   check_kv_caches(k_cache, v_cache);
-  const int64_t batch = q.size(0), q_heads = q.size(1), head_dim = q.size(2), kv_heads = k_cache.size(0), slots = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(2) == head_dim && head_dim % 8 == 0, "head_dim must match the cache's and be a multiple of 8");
-  TORCH_CHECK(q_heads % kv_heads == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(key_slots.dim() == 2 && key_slots.size(0) == batch && key_slots.scalar_type() == at::kLong && key_slots.is_contiguous(),
-              "key_slots must be a contiguous [B, K] int64 tensor");
-  TORCH_CHECK(mask.sizes() == key_slots.sizes() && mask.scalar_type() == at::kBool && mask.is_contiguous(), "mask must be a contiguous [B, K] bool tensor");
-  at::Tensor out = at::empty(q.sizes(), q.options());
-  const int64_t context = key_slots.size(1);
+  const int64_t kv_heads = k_cache.size(0), slots = k_cache.size(1), d = k_cache.size(2);
+  TORCH_CHECK(d % 8 == 0, "head_dim must be a multiple of 8, got ", d);
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.size(2) == d && q.stride(2) == 1 && q.stride(1) == d && q.size(1) % kv_heads == 0,
+              "q must be a float32 [T, heads, head_dim] tensor, heads a multiple of the cache's KV heads, each row's heads contiguous");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong && block_tables.is_contiguous(), "block_tables must be a contiguous [B, blocks] int64 tensor");
+  const int64_t batch = block_tables.size(0), num_q = q.size(0), heads = q.size(1);
+  for (const at::Tensor* t : {&query_start, &query_count, &first_position})
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == batch && t->scalar_type() == at::kLong && t->is_contiguous(),
+                "query_start, query_count and first_position must be contiguous int64 [B] tensors, B = block_tables' rows");
+  TORCH_CHECK(block_size > 0 && window >= 0, "block_size must be positive and window 0 (none) or positive");
+  const int64_t *start = query_start.data_ptr<int64_t>(), *count = query_count.data_ptr<int64_t>(), *first = first_position.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  std::vector<Entry> entries(batch);
+  int64_t covered = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(count[b] >= 1 && start[b] >= 0 && start[b] + count[b] <= num_q && first[b] >= 0, "entry ", b, "'s query rows ", start[b], " + ",
+                count[b], " must lie within q's ", num_q, " rows");
+    TORCH_CHECK(first[b] + count[b] <= block_tables.size(1) * block_size, "entry ", b, "'s context of ", first[b] + count[b],
+                " positions is longer than its block table");
+    const int64_t* table = tables + b * block_tables.size(1);
+    for (int64_t i = 0; i < (first[b] + count[b] + block_size - 1) / block_size; ++i)
+      TORCH_CHECK(table[i] >= 0 && (table[i] + 1) * block_size <= slots, "block ", table[i], " is outside the cache's ", slots, " slots");
+    entries[b] = {start[b], count[b], first[b], table};
+    covered += count[b];
+  }
+  TORCH_CHECK(covered == num_q, "the entries' query rows must cover q's ", num_q, " rows once each, they cover ", covered);
+  at::Tensor out = at::empty({num_q, heads * d}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (num_q == 0) return out;
+  const Cache c{kv_heads, slots, d, block_size, window};
+  const float* qp = q.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+#ifdef __AVX512BF16__
+  if (k_cache.scalar_type() == at::kHalf && d % 32 == 0) {
+    attention<Bf16Products>(qp, q.stride(0), heads, k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(), entries, c, static_cast<float>(scale), y);
+    return out;
+  }
+#endif
   with_cache_data(k_cache, v_cache, [&](const auto* k, const auto* v) {
-    decode_attention(q.data_ptr<float>(), k, v, key_slots.data_ptr<int64_t>(), mask.data_ptr<bool>(), out.data_ptr<float>(), batch, q_heads, kv_heads,
-                     slots, head_dim, context, static_cast<float>(scale));
+    attention<F32Products>(qp, q.stride(0), heads, k, v, entries, c, static_cast<float>(scale), y);
   });
   return out;
 }
@@ -195,7 +486,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenloop, m) {
-  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor key_slots, Tensor mask, float scale) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, int block_size, Tensor query_start, Tensor query_count, "
+        "Tensor first_position, int window, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tokenloop, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(tokenloop, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -15,7 +15,7 @@ from tokenloop.models.quant import QuantizedModule, dense_linear
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose product is dense_linear's (tokenloop's kernel for a few float32 rows on the CPU)."""
+    """nn.Linear whose product is dense_linear's (tokenloop's float32 kernel on the CPU)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dense_linear(x, self.weight, self.bias)
@@ -28,9 +28,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu" and not torch.compiler.is_compiling() \
-                and kernels.cpu_kernels_available():
-            # Eager steps: one kernel pass per row (the same formula, summed in another order); a compiled step has inductor fuse the ops below.
+        if x.dtype == self.weight.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu" and kernels.cpu_kernels_available():
+            # One kernel pass per row, in one order whatever the batch (eager and compiled steps alike).
             return torch.ops.tokenloop.rms_norm(x.contiguous(), self.weight, self.eps)
         # Normalise in float32 whatever the activation dtype, as the reference implementations do.
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
@@ -102,8 +101,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if isinstance(self.down_proj, QuantizedModule) and self.down_proj.cpu_kernel and not torch.compiler.is_compiling():
-            return self.down_proj.gated_forward(gate_up, self.activation)  # a compiled step leaves the product to inductor
+        if isinstance(self.down_proj, QuantizedModule) and self.down_proj.cpu_kernel:
+            return self.down_proj.gated_forward(gate_up, self.activation)  # the activation inside the product's kernel
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(ACTIVATIONS[self.activation](gate) * up)
 

@@ -42,9 +42,8 @@ class DecoderAttention(nn.Module):
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         num_heads, num_kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
-        if self.attn.cpu_kernel and qkv.dtype == torch.float32 and not torch.compiler.is_compiling():
-            # Eager steps normalise and rotate q and k and write k and v into the cache in one kernel pass; a
-            # compiled step leaves the ops below to inductor, which fuses them itself.
+        if self.attn.cpu_kernel and qkv.dtype == torch.float32:
+            # Normalise and rotate q and k and write k and v into the cache in one kernel pass (eager and compiled alike).
             cos, sin = rope
             qkv = qkv.contiguous()
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else (None, None, 0.0)
@@ -106,7 +105,7 @@ class LlamaForCausalLM(nn.Module):
         """(T,) token ids and positions → (T, hidden) final hidden states."""
         x = self.embed(input_ids)
         tables = [rotary.tables(positions) for rotary in self.rotary]
-        metas = {window: meta if window is None else meta.windowed(window, positions) for window in set(self.layer_windows)}
+        metas = {window: meta if window is None else meta.windowed(window) for window in set(self.layer_windows)}
         for layer, rope, window in zip(self.layers, self.layer_rotary, self.layer_windows):
             x = layer(tables[rope], x, metas[window])
         return self.norm(x)
