@@ -1,10 +1,31 @@
-"""Differential tests, float32 greedy on the tiny model: the scheduling choices must not change a single token."""
+"""Differential tests: scheduling never changes a token, nor a logprob.
+
+A request run alone is the reference. Inside a batch of up to 64 others arriving and finishing around it, with
+prefix-cache hits or without, in prefill chunks of 1, 7 or 64, preempted and recomputed, forked (n > 1, beam
+search), in the compiled decode step, and in another process with another hash seed and thread count, it gets
+the same token ids and the same logprobs, to the last bit: greedy and seeded sampling, on the float32 path and
+the fast path (dtype "auto": float16 KV cache, the quantized kernels), for a tiny Llama, a tiny Gemma 3 (window 8,
+every prompt longer) and a tiny K-quant Gemma 3 GGUF; and for the real models, SmolLM2 and gemma3-270m.
+
+The older tests (float32 greedy token ids, against the shared tiny engine) also cover speculative decoding, a
+failing request beside others, logits processors, structured output and prompt logprobs."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
 import pytest
 
-from tokenloop import LLM, SamplingParams
+from tokenloop import LLM, BeamSearchParams, SamplingParams
+from tokenloop.engine.llm_engine import Prompt
+from tokenloop.outputs import Logprob, RequestOutput
 
 SHARED = "Hello world! Hello tokenizers, hello templates. " * 3
 PROMPTS = [SHARED + tail for tail in ("The quick brown fox", "def main():", "Numbers like 12345", "I'm sure")] + [
@@ -13,14 +34,289 @@ PROMPTS = [SHARED + tail for tail in ("The quick brown fox", "def main():", "Num
 ]
 PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
+Request = tuple[Prompt, SamplingParams | BeamSearchParams]
+Completion = tuple[list[int], list[dict[int, Logprob]] | None, float | None]
+
+LONG = "def main():\n    print('hi')\n    return 0\n" * 4 + "I'm sure they'll say it's fine, don't you think? " * 3  # 100 tokens
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+
+
+def seeded(seed: int, **changes) -> SamplingParams:
+    return SamplingParams(**({"temperature": 0.8, "top_p": 0.95, "seed": seed, "max_tokens": 24, "ignore_eos": True, "logprobs": 3} | changes))
+
+
+# The requests each schedule is checked on: every prompt (10 to 100 tokens, four sharing a 27-token prefix) greedy
+# and seeded, with the chosen token's logprob and the top 3 at every step.
+REQUESTS: list[Request] = [(p, GREEDY) for p in [*PROMPTS, LONG]] + [(p, seeded(100 + i)) for i, p in enumerate([*PROMPTS, LONG])]
+# Requests whose sequences fork and share blocks: n = 4 seeded completions of one prompt, and beam searches.
+FORKED: list[Request] = [
+    (PROMPTS[0], seeded(7, n=4, max_tokens=16)),
+    (PROMPTS[1], BeamSearchParams(beam_width=4, max_tokens=12)),
+    (PROMPTS[5], BeamSearchParams(beam_width=4, max_tokens=12, ignore_eos=True)),
+]
+
+
+def make(model: str | os.PathLike | None, kv_blocks: int | None = None, **engine_args) -> LLM:
+    """An engine on the CPU with a small KV pool and one thread, float32 unless `dtype` says otherwise;
+    `kv_blocks`: a pool of that many blocks (too small for a batch: its sequences are preempted, recomputed)."""
+    from tokenloop.engine.model_runner import kv_bytes_per_block
+
+    args = {"dtype": "float32", "device": "cpu", "kv_cache_gb": 0.01, "threads": 1} | engine_args
+    llm = LLM(model, **args)
+    if kv_blocks is None:
+        return llm
+    engine = llm.llm_engine
+    block_bytes = kv_bytes_per_block(engine.model_config, engine.config.block_size, engine.config.kv_cache_dtype)
+    return LLM(model, **(args | {"kv_cache_gb": (kv_blocks + 0.5) * block_bytes / 2**30}))
+
+
+def completions(out: RequestOutput) -> list[Completion]:
+    """What a request keeps whatever its schedule: each completion's token ids, its logprobs (the chosen token's
+    and the top ones', with their ranks and text) and their sum."""
+    assert out.error is None, out.error
+    return [(c.token_ids, c.logprobs, c.cumulative_logprob) for c in out.outputs]
+
+
+def run(llm: LLM, requests: list[Request], arrivals: list[int] | None = None) -> list[list[Completion]]:
+    """Every request's completions, in order. Request i is queued before step arrivals[i] (all before the first
+    step by default): later ones start while the others decode."""
+    engine = llm.llm_engine
+    arrivals = arrivals or [0] * len(requests)
+    waiting = sorted(range(len(requests)), key=arrivals.__getitem__)
+    index: dict[str, int] = {}
+    finished: dict[int, list[Completion]] = {}
+    step = 0
+    while waiting or engine.has_unfinished_requests():
+        if not engine.has_unfinished_requests():
+            step = max(step, arrivals[waiting[0]])
+        while waiting and arrivals[waiting[0]] <= step:
+            i = waiting.pop(0)
+            index[engine.add_request(*requests[i])] = i
+        for out in engine.step():
+            if out.finished:
+                finished[index[out.request_id]] = completions(out)
+        step += 1
+    return [finished[i] for i in range(len(requests))]
+
+
+def first_difference(got: list[Completion], expected: list[Completion]) -> str | None:
+    """Where a request's completions first part from its reference's, in words; None if they do not."""
+    if len(got) != len(expected):
+        return f"{len(got)} completions, alone {len(expected)}"
+    for j, ((ids, logprobs, total), (ref_ids, ref_logprobs, ref_total)) in enumerate(zip(got, expected)):
+        step = next((k for k, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), None)
+        if step is not None:
+            return f"completion {j}: token {step} is {ids[step]}, alone {ref_ids[step]}"
+        if len(ids) != len(ref_ids):
+            return f"completion {j}: {len(ids)} tokens, alone {len(ref_ids)}"
+        step = next((k for k, (a, b) in enumerate(zip(logprobs or [], ref_logprobs or [])) if a != b), None)
+        if step is not None:
+            a, b = logprobs[step], ref_logprobs[step]
+            moved = max((abs(a[t].logprob - b[t].logprob) for t in a.keys() & b.keys()), default=float("nan"))
+            return f"completion {j}: the same tokens, logprobs differ from token {step} on (there by up to {moved:.2g})"
+        if (logprobs, total) != (ref_logprobs, ref_total):
+            return f"completion {j}: the same tokens, logprobs {'differ' if logprobs != ref_logprobs else 'the same'}, sum {total} alone {ref_total}"
+    return None
+
+
+def assert_same(got: list[list[Completion]], expected: list[list[Completion]]) -> None:
+    """Every request's completions exactly its reference's; the message says where each one that is not parts."""
+    differences = [f"request {i}: {d}" for i, (g, e) in enumerate(zip(got, expected, strict=True)) if (d := first_difference(g, e))]
+    assert got == expected, f"{len(differences)} of {len(got)} requests differ:\n" + "\n".join(differences)
+
+
+class Case(NamedTuple):
+    name: str
+    path: Path
+    dtype: str
+
+
+MODELS = {"llama": "tiny_model_folder", "gemma3": "tiny_gemma3_folder", "kquant": "kquant_gguf"}
+CASES = [(model, dtype) for model in MODELS for dtype in ("float32", "auto")]
+
+
+def case_id(case: tuple[str, str]) -> str:
+    return "-".join(case)
+
+
+@pytest.fixture(scope="module", params=CASES, ids=case_id)
+def case(request) -> Case:
+    model, dtype = request.param
+    return Case(case_id(request.param), request.getfixturevalue(MODELS[model]), dtype)
+
+
+@pytest.fixture(scope="module")
+def alone_llm(case) -> LLM:
+    """The reference engine: nothing shared between requests (no prefix cache), prompts in one chunk."""
+    return make(case.path, dtype=case.dtype, enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def alone(alone_llm) -> list[list[Completion]]:
+    """Each request of REQUESTS run alone."""
+    return [run(alone_llm, [r])[0] for r in REQUESTS]
+
+
+def fillers(count: int, seed: int, vocab: int = 400) -> list[Request]:
+    """Other requests to run beside the checked ones: 1 to 200 random prompt tokens, 1 to 40 new tokens (some
+    may stop at EOS), greedy, seeded or unseeded sampling, with or without logprobs."""
+    rng = random.Random(seed)
+    return [
+        ({"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(rng.choice([1, 3, 9, 17, 40, 90, 150, 200]))]},
+         SamplingParams(temperature=rng.choice([0, 0.8, 1.0]), top_p=rng.choice([1.0, 0.9]), seed=rng.choice([None, 1000 + i]),
+                        max_tokens=rng.choice([1, 3, 8, 24, 40]), ignore_eos=rng.random() < 0.5, logprobs=rng.choice([None, 0, 5])))
+        for i in range(count)
+    ]
+
+
+def mixed(checked: list[Request], others: list[Request], seed: int, latest: int) -> tuple[list[Request], list[int], list[int]]:
+    """`checked` and `others` shuffled, each arriving at a random step up to `latest`: the batch, the arrivals and
+    where each checked request landed."""
+    rng = random.Random(seed)
+    order = list(range(len(checked) + len(others)))
+    rng.shuffle(order)
+    everything = checked + others
+    return [everything[i] for i in order], [rng.randrange(latest + 1) for _ in order], [order.index(i) for i in range(len(checked))]
+
+
+def test_a_request_in_a_batch_of_64_arriving_and_finishing_around_it_gets_its_tokens_and_logprobs_alone(case, alone):
+    llm = make(case.path, dtype=case.dtype, kv_cache_gb=0.03)
+    batch, arrivals, where = mixed(REQUESTS, fillers(64 - len(REQUESTS), seed=1), seed=2, latest=20)
+    got = run(llm, batch, arrivals)
+    assert_same([got[i] for i in where], alone)
+    assert llm.llm_engine.scheduler.num_preemptions == 0  # preemption is a case of its own
+
+
+def test_prefix_caching_off_changes_no_token_or_logprob(case, alone):
+    llm = make(case.path, dtype=case.dtype, enable_prefix_caching=False)
+    assert_same(run(llm, REQUESTS), alone)
+
+
+def test_prefix_cache_hits_warm_change_no_token_or_logprob(case, alone):
+    """The batch fills the cache (the later requests of a step may hit the earlier ones' shared prefix), then each
+    request again, its whole prompt but the last token from the cache."""
+    llm = make(case.path, dtype=case.dtype)
+    assert_same(run(llm, REQUESTS), alone)
+    cold_hits = llm.llm_engine.block_manager.prefix_hit_tokens
+    assert_same([run(llm, [r])[0] for r in REQUESTS], alone)
+    assert llm.llm_engine.block_manager.prefix_hit_tokens > cold_hits
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_prefill_chunks_change_no_token_or_logprob(case, alone, chunk):
+    llm = make(case.path, dtype=case.dtype, max_num_batched_tokens=chunk)
+    assert_same(run(llm, REQUESTS), alone)
+
+
+def test_preemption_changes_no_token_or_logprob(case, alone):
+    llm = make(case.path, dtype=case.dtype, kv_blocks=10)
+    assert_same(run(llm, REQUESTS), alone)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("engine_args", [{}, {"max_num_batched_tokens": 7}, {"kv_blocks": 12}], ids=["batch", "chunked", "preempted"])
+def test_forked_completions_and_beams_in_a_batch_get_their_tokens_and_logprobs_alone(case, alone_llm, alone, engine_args):
+    """n = 4 completions and beams share their prompt's blocks (copy on write), beside the other requests."""
+    expected = [run(alone_llm, [r])[0] for r in FORKED]
+    llm = make(case.path, dtype=case.dtype, **engine_args)
+    batch, arrivals, where = mixed(FORKED + REQUESTS, [], seed=3, latest=6)
+    got = run(llm, batch, arrivals)
+    assert_same([got[i] for i in where], expected + alone)
+    if "kv_blocks" in engine_args:
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert all(b.ref_count == 0 for b in llm.llm_engine.block_manager.blocks)
+
+
+@pytest.mark.slow  # a first run builds each package (20 to 60 s on 2 cores); later ones load it from the cache
+@pytest.mark.parametrize("case", [("llama", "auto"), ("kquant", "auto")], ids=case_id, indirect=True)
+def test_the_compiled_decode_step_gives_eagers_tokens_and_logprobs_alone_and_in_a_batch(case, alone):
+    llm = make(case.path, dtype=case.dtype, enable_prefix_caching=False, compile=True, compile_in_background=False)
+    assert llm.llm_engine.runner.forward.compiled is not None
+    assert_same([run(llm, [r])[0] for r in REQUESTS], alone)
+    assert_same(run(llm, REQUESTS), alone)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+OTHER_PROCESS = """
+import dataclasses, json, sys
+from tests.engine.test_differential import REQUESTS, make, run
+cases = json.loads(sys.argv[1])
+results = {name: run(make(path, dtype=dtype, threads=1), REQUESTS) for name, (path, dtype) in cases.items()}
+print(json.dumps(results, default=dataclasses.astuple))
+"""
+
+
+@pytest.fixture(scope="module")
+def other_process(request) -> dict[str, list]:
+    """REQUESTS as one batch, per case, in a child process with another hash seed and one thread, as JSON."""
+    cases = {case_id(c): (str(request.getfixturevalue(MODELS[c[0]])), c[1]) for c in CASES}
+    hash_seed = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"
+    env = os.environ | {"PYTHONHASHSEED": hash_seed, "TOKENLOOP_COMPILE": "0"}
+    proc = subprocess.run([sys.executable, "-c", OTHER_PROCESS, json.dumps(cases)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_another_process_with_another_hash_seed_and_thread_count_gives_the_same_tokens_and_logprobs(case, other_process):
+    """Here two threads and this process's hash seed; there one thread and PYTHONHASHSEED=1 (the same schedule)."""
+    got = run(make(case.path, dtype=case.dtype, threads=2), REQUESTS)
+    assert json.loads(json.dumps(got, default=dataclasses.astuple)) == other_process[case.name]
+
+
+# The real models, on their default path (dtype "auto"): a prompt of about 600 tokens, longer than gemma3-270m's
+# 512-token sliding window, and a short one, each greedy and seeded with the top 5 logprobs.
+REAL_LONG = " ".join(f"Item {i}: the {('red', 'green', 'blue')[i % 3]} box holds {i * 7 % 13} apples." for i in range(48))
+REAL_PARAMS = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5),
+               SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=24, ignore_eos=True, logprobs=5)]
+REAL_REQUESTS: list[Request] = [(p, sp) for p in (REAL_LONG, "Write a haiku about the sea.") for sp in REAL_PARAMS]
+REAL_OTHERS: list[Request] = [
+    (prompt, SamplingParams(temperature=t, seed=s, max_tokens=m, logprobs=lp))
+    for prompt, t, s, m, lp in [
+        ("Hi!", 0, None, 4, None), ("What is 2 + 2?", 0.8, 5, 16, 2), ("Name three colours.", 1.0, None, 32, None),
+        ("The capital of France is", 0, None, 8, 0), ("Tell me a story about a fox.", 0.7, 9, 28, 5), ("Translate 'cat' to French.", 0, None, 12, None),
+        (REAL_LONG[:900], 0.8, 13, 6, None), ("Count to five:", 0, None, 20, 1), ("Why is the sky blue?", 1.0, 17, 3, None),
+        ("List two fruits.", 0, None, 24, None), ("Say hello in Spanish.", 0.9, None, 10, 3), ("Once upon a time", 0, None, 30, None),
+    ]
+]
+REAL_MODELS = {"smollm2 default": None, "gemma3-270m": "gemma3-270m"}
+
+
+@pytest.fixture(scope="module", params=list(REAL_MODELS))
+def real_model(request) -> str | None:
+    return REAL_MODELS[request.param]
+
+
+@pytest.fixture(scope="module")
+def real_llm(real_model) -> LLM:
+    return make(real_model, dtype="auto", device=None, kv_cache_gb=0.25, enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def real_alone(real_llm) -> list[list[Completion]]:
+    return [run(real_llm, [r])[0] for r in REAL_REQUESTS]
+
+
+@pytest.mark.real_model
+def test_a_real_models_request_in_a_batch_of_16_gets_its_tokens_and_logprobs_alone(real_llm, real_alone):
+    window = real_llm.llm_engine.model_config.sliding_window
+    assert window is None or len(real_llm.get_tokenizer().encode(REAL_LONG)) > window  # gemma3-270m: 512
+    batch, arrivals, where = mixed(REAL_REQUESTS, REAL_OTHERS, seed=4, latest=12)
+    got = run(real_llm, batch, arrivals)
+    assert_same([got[i] for i in where], real_alone)
+
+
+@pytest.mark.real_model
+def test_a_real_models_prefill_in_chunks_of_64_changes_no_token_or_logprob(real_model, real_alone):
+    llm = make(real_model, dtype="auto", device=None, kv_cache_gb=0.25, enable_prefix_caching=False, max_num_batched_tokens=64)
+    assert_same([run(llm, [r])[0] for r in REAL_REQUESTS], real_alone)
+
+
+# The float32 greedy tests on the shared tiny engine: token ids.
+
 
 @pytest.fixture(scope="module")
 def reference(tiny_llm):
     return [o.outputs[0].token_ids for o in tiny_llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
-
-
-def make(folder, **engine_args) -> LLM:
-    return LLM(folder, **({"dtype": "float32", "device": "cpu", "kv_cache_gb": 0.01} | engine_args))
 
 
 def test_prefix_caching_off_gives_the_same_tokens(tiny_model_folder, reference):
@@ -86,18 +382,11 @@ def penalized_reference(tiny_llm):
 
 @pytest.mark.parametrize("engine_args", [{"enable_prefix_caching": False}, {"max_num_batched_tokens": 7}, {"kv_blocks": 8}],
                          ids=["no prefix cache", "chunked", "preempted"])
-def test_logits_processors_give_the_same_tokens_whatever_the_scheduling(tiny_model_folder, tiny_llm, penalized_reference, engine_args):
-    import torch
-
-    from tokenloop.engine.model_runner import kv_bytes_per_block
-
-    if blocks := engine_args.pop("kv_blocks", None):  # a pool too small for the batch: sequences are preempted, recomputed
-        engine = tiny_llm.llm_engine
-        engine_args["kv_cache_gb"] = blocks * kv_bytes_per_block(engine.model_config, engine.config.block_size, torch.float32) / 2**30
+def test_logits_processors_give_the_same_tokens_whatever_the_scheduling(tiny_model_folder, penalized_reference, engine_args):
     llm = make(tiny_model_folder, **engine_args)
     outs = llm.generate(PROMPTS, PENALIZED, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == penalized_reference
-    if blocks:
+    if "kv_blocks" in engine_args:
         assert llm.llm_engine.scheduler.num_preemptions > 0
 
 
@@ -144,14 +433,7 @@ def teacher_forced(tiny_model_folder, tiny_llm):
 
 @pytest.mark.parametrize("engine_args", [{"enable_prefix_caching": False}, {"max_num_batched_tokens": 7}, {"kv_blocks": 8, "max_num_batched_tokens": 16}, {}],
                          ids=["no prefix cache", "chunked", "preempted", "prefix cache warm"])
-def test_prompt_logprobs_are_the_teacher_forced_ones_whatever_the_scheduling(tiny_model_folder, tiny_llm, reference, teacher_forced, engine_args):
-    import torch
-
-    from tokenloop.engine.model_runner import kv_bytes_per_block
-
-    if blocks := engine_args.pop("kv_blocks", None):
-        engine = tiny_llm.llm_engine
-        engine_args["kv_cache_gb"] = blocks * kv_bytes_per_block(engine.model_config, engine.config.block_size, torch.float32) / 2**30
+def test_prompt_logprobs_are_the_teacher_forced_ones_whatever_the_scheduling(tiny_model_folder, reference, teacher_forced, engine_args):
     llm = make(tiny_model_folder, **engine_args)
     if not engine_args:  # every prompt already in the prefix cache: scoring must still compute each position
         llm.generate(PROMPTS, PARAMS, use_tqdm=False)
@@ -168,30 +450,22 @@ def test_prompt_logprobs_are_the_teacher_forced_ones_whatever_the_scheduling(tin
         got = [entries[t].logprob for entries, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
         assert got == pytest.approx(teacher_forced[k], abs=1e-4)
         assert all(3 <= len(entries) <= 4 for entries in out.prompt_logprobs[1:])
-    if blocks:
+    if "kv_blocks" in engine_args:
         assert llm.llm_engine.scheduler.num_preemptions > 0
 
 
 @pytest.mark.parametrize("engine_args", [{"enable_prefix_caching": False}, {"max_num_batched_tokens": 7}, {"kv_blocks": 10}],
                          ids=["no prefix cache", "chunked", "preempted"])
 def test_forked_completions_and_beams_are_the_same_whatever_the_scheduling(tiny_model_folder, tiny_llm, engine_args):
-    import torch
-
-    from tokenloop import BeamSearchParams
-    from tokenloop.engine.model_runner import kv_bytes_per_block
-
     forked = SamplingParams(temperature=1.0, seed=5, max_tokens=16, ignore_eos=True, n=4)
     beams = BeamSearchParams(beam_width=4, max_tokens=12)
     expected = ([[c.token_ids for c in o.outputs] for o in tiny_llm.generate(PROMPTS[:3], forked, use_tqdm=False)],
                 [[c.token_ids for c in o.outputs] for o in tiny_llm.beam_search(PROMPTS[:3], beams, use_tqdm=False)])
-    if blocks := engine_args.pop("kv_blocks", None):
-        engine = tiny_llm.llm_engine
-        engine_args["kv_cache_gb"] = blocks * kv_bytes_per_block(engine.model_config, engine.config.block_size, torch.float32) / 2**30
     llm = make(tiny_model_folder, **engine_args)
     got = ([[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS[:3], forked, use_tqdm=False)],
            [[c.token_ids for c in o.outputs] for o in llm.beam_search(PROMPTS[:3], beams, use_tqdm=False)])
     assert got == expected
-    if blocks:
+    if "kv_blocks" in engine_args:
         assert llm.llm_engine.scheduler.num_preemptions > 0
     assert all(b.ref_count == 0 for b in llm.llm_engine.block_manager.blocks)
 

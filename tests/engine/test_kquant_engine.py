@@ -27,7 +27,6 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import write_tiny_tokenizer
 from tests.models.test_ggml_types import random_blocks
 from tokenloop import LLM, SamplingParams
 from tokenloop.kernels import cpu_kernels_available
@@ -131,16 +130,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, logprobs=0, ignore_eos=Tru
 ROUNDING = 0.25
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
-    return write_tiny_tokenizer(tmp_path_factory.mktemp("kquant_gemma3"))
-
-
-@pytest.fixture(scope="module")
-def kquant_gguf(folder) -> Path:
-    return write_kquant_gemma3(folder / "model.gguf", folder)
-
-
 def make(path: Path, **engine_args) -> LLM:
     return LLM(path, **({"device": "cpu", "kv_cache_gb": 0.01, "enable_prefix_caching": False} | engine_args))
 
@@ -224,10 +213,10 @@ def test_the_fast_paths_logprobs_are_as_close_to_float32_as_bfloat16s(fast, sequ
 
 
 @pytest.mark.parametrize("qtype", list(MISREADINGS), ids=lambda q: q.name)
-def test_a_fast_path_that_misread_one_format_would_be_outside_that_tolerance(folder, sequences, float32_logprobs, tolerance, qtype):
+def test_a_fast_path_that_misread_one_format_would_be_outside_that_tolerance(kquant_folder, sequences, float32_logprobs, tolerance, qtype):
     """The check above can fail: each misreading of MISREADINGS, the fast path run on the file as it would read
     it, is 1.8 to 25 times the tolerance away (the Q4_K mins, the smallest part of their weights, the least)."""
-    misread = make(write_kquant_gemma3(folder / f"misread_{qtype.name}.gguf", folder, misread=qtype))
+    misread = make(write_kquant_gemma3(kquant_folder / f"misread_{qtype.name}.gguf", kquant_folder, misread=qtype))
     assert rms(token_logprobs(misread, sequences) - float32_logprobs) > tolerance
 
 
@@ -263,7 +252,7 @@ def test_scheduling_gives_the_fast_paths_greedy_choices(kquant_gguf, fast, alone
     assert distance_from_greedy(fast, prompts, completions) <= ROUNDING
 
 
-def test_a_window_one_key_too_wide_would_be_far_from_those_choices(folder, alone):
+def test_a_window_one_key_too_wide_would_be_far_from_those_choices(kquant_folder, alone):
     """The check above can fail: the same weights with every sliding layer attending one more key."""
-    wider = make(write_kquant_gemma3(folder / "wider_window.gguf", folder, window=WINDOW + 1))
+    wider = make(write_kquant_gemma3(kquant_folder / "wider_window.gguf", kquant_folder, window=WINDOW + 1))
     assert distance_from_greedy(wider, PROMPTS, alone) > 10 * ROUNDING

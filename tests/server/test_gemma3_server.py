@@ -3,12 +3,9 @@ a chat completion through Gemma's builtin chat template, a stream that reassembl
 text, a prompt longer than the 512-token sliding window answered with the tokens and logprobs the offline LLM
 gives it, and /metrics counting the KV bytes of sliding layers left outside their window while it runs.
 
-The server is checked against the offline engine on the same file, path and prefix-cache state, token for
-token: the long prompt's second sending (624 of its tokens from the prefix cache) against the offline engine's
-second run, not against the first. On the fast path a hit splits the prompt's prefill differently (624 cached
-and 11 new rather than 635 at once), so the last bits of its floats differ, and the int8 activations turn those
-into logprob changes of about 0.04: this prompt's third token is a near-tie (" was" or " had", 0.02 apart) that
-the hit flips (measured 2026-12-02; the float32 path gives the same tokens and logprobs either way)."""
+The server's replies equal the offline engine's cold run token for token and logprob for logprob, bit for bit,
+before and after the prefix cache serves most of the prompt: a request's floats do not depend on how its prefill
+was split, nor on what ran beside it."""
 
 from __future__ import annotations
 
@@ -80,14 +77,16 @@ def test_a_streamed_completion_reassembles_to_the_greedy_text(server, offline):
 def test_a_prompt_longer_than_the_window_gets_the_offline_tokens_before_and_after_a_prefix_hit(server, offline):
     prompt, new = long_prompt(0), 16
     client = server.client()
+    expected = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=new, logprobs=0), use_tqdm=False)[0]
+    c = expected.outputs[0]
+    assert expected.num_cached_tokens == 0
     for run in ("first", "prefix cache hit"):
-        expected = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=new, logprobs=0), use_tqdm=False)[0]
         reply = client.completions.create(model=NAME, prompt=prompt, temperature=0, max_tokens=new, logprobs=0)
         assert reply.usage.prompt_tokens == len(expected.prompt_token_ids) > 512 + 16
-        assert reply.usage.prompt_tokens_details.cached_tokens == expected.num_cached_tokens == (0 if run == "first" else 624), run
-        c, got = expected.outputs[0], reply.choices[0].logprobs
+        assert reply.usage.prompt_tokens_details.cached_tokens == (0 if run == "first" else 624), run
+        got = reply.choices[0].logprobs
         assert got.tokens == [step[t].decoded_token for step, t in zip(c.logprobs, c.token_ids)], run
-        assert got.token_logprobs == pytest.approx([step[t].logprob for step, t in zip(c.logprobs, c.token_ids)], abs=1e-6), run
+        assert got.token_logprobs == [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)], run
         assert reply.choices[0].text == c.text
 
 
