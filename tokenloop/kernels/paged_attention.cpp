@@ -43,6 +43,15 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
+// fn(std::integral_constant<int, v>) for v = min(n, 4) vectors (n >= 1).
+template <typename Fn>
+inline void with_vectors(int64_t n, Fn&& fn) {
+  if (n >= 4) fn(std::integral_constant<int, 4>{});
+  else if (n == 3) fn(std::integral_constant<int, 3>{});
+  else if (n == 2) fn(std::integral_constant<int, 2>{});
+  else fn(std::integral_constant<int, 1>{});
+}
+
 // In place, the rows of an 8 x 8 float matrix become its columns.
 inline void transpose8(__m256 r[8]) {
   __m256 t[8];
@@ -125,22 +134,27 @@ struct F32Products {
   // out [kRows][D] = out * rescale + p . v, each sum over the block's keys in order; dimensions in pieces of 32.
   template <int kRows>
   static void output_tile(const Packed* p, const float* rescale, const Packed* values, int64_t d, float* out) {
-    for (int64_t dim0 = 0; dim0 < d; dim0 += 32) {
-      const int vectors = static_cast<int>(std::min<int64_t>(4, (d - dim0) / 8));
-      __m256 acc[kRows][4];
-      for (int r = 0; r < kRows; ++r)
-        for (int c = 0; c < vectors; ++c) acc[r][c] = _mm256_mul_ps(_mm256_loadu_ps(out + r * d + dim0 + 8 * c), _mm256_set1_ps(rescale[r]));
-      for (int64_t j = 0; j < kKeys; ++j) {
-        __m256 v[4];
-        for (int c = 0; c < vectors; ++c) v[c] = _mm256_loadu_ps(values + j * d + dim0 + 8 * c);
-        for (int r = 0; r < kRows; ++r) {
-          const __m256 pj = _mm256_set1_ps(p[r * kKeys + j]);
-          for (int c = 0; c < vectors; ++c) acc[r][c] = _mm256_fmadd_ps(pj, v[c], acc[r][c]);
-        }
+    for (int64_t dim0 = 0; dim0 < d; dim0 += 32)
+      with_vectors((d - dim0) / 8, [&](auto vectors) { output_piece<kRows, decltype(vectors)::value>(p, rescale, values, d, dim0, out); });
+  }
+
+  // kVectors vectors of 8 dimensions from dim0 (a compile-time count: with a runtime one, gcc keeps the
+  // accumulators on the stack).
+  template <int kRows, int kVectors>
+  static void output_piece(const Packed* p, const float* rescale, const Packed* values, int64_t d, int64_t dim0, float* out) {
+    __m256 acc[kRows][kVectors];
+    for (int r = 0; r < kRows; ++r)
+      for (int c = 0; c < kVectors; ++c) acc[r][c] = _mm256_mul_ps(_mm256_loadu_ps(out + r * d + dim0 + 8 * c), _mm256_set1_ps(rescale[r]));
+    for (int64_t j = 0; j < kKeys; ++j) {
+      __m256 v[kVectors];
+      for (int c = 0; c < kVectors; ++c) v[c] = _mm256_loadu_ps(values + j * d + dim0 + 8 * c);
+      for (int r = 0; r < kRows; ++r) {
+        const __m256 pj = _mm256_set1_ps(p[r * kKeys + j]);
+        for (int c = 0; c < kVectors; ++c) acc[r][c] = _mm256_fmadd_ps(pj, v[c], acc[r][c]);
       }
-      for (int r = 0; r < kRows; ++r)
-        for (int c = 0; c < vectors; ++c) _mm256_storeu_ps(out + r * d + dim0 + 8 * c, acc[r][c]);
     }
+    for (int r = 0; r < kRows; ++r)
+      for (int c = 0; c < kVectors; ++c) _mm256_storeu_ps(out + r * d + dim0 + 8 * c, acc[r][c]);
   }
 };
 
@@ -149,7 +163,6 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 // 16 floats → 16 bfloat16 (round to nearest even).
 inline __m256i bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
-inline __m512i to_bf16_lanes(__m512 v) { return _mm512_cvtepu16_epi32(bf16(v)); }
 inline __m512 dot(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
 
 // In place, the rows of a 16 x 16 matrix of 32-bit elements become its columns.
@@ -200,27 +213,21 @@ struct Bf16Products {
       for (int64_t i = 0; i < d; i += 32) {  // 16 pairs of dimensions of 16 keys, transposed
         __m512i r[16];
         for (int j = 0; j < 16; ++j) {
-          if (j0 + j >= n) {
-            r[j] = _mm512_setzero_si512();
-            continue;
-          }
-          const T* x = key(j0 + j) + i;
-          const __m512i lo = to_bf16_lanes(load16(x)), hi = to_bf16_lanes(load16(x + 16));
-          // dimensions i .. i + 31 as 16 pairs: (2p, 2p + 1) in the low and high halves of lane p
-          const __m512i idx_even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-          const __m512i idx_odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-          const __m512i even = _mm512_permutex2var_epi32(lo, idx_even, hi), odd = _mm512_permutex2var_epi32(lo, idx_odd, hi);
-          r[j] = _mm512_or_si512(even, _mm512_slli_epi32(odd, 16));
+          const T* x = key(std::min(j0 + j, n - 1)) + i;  // past the context: any key (its score is masked)
+          r[j] = (__m512i)_mm512_cvtne2ps_pbh(load16(x + 16), load16(x));  // dimensions i .. i + 31 as 16 pairs
         }
         transpose16(r);
         for (int p = 0; p < 16; ++p) _mm512_storeu_si512(keys + (i / 2 + p) * kKeys + j0, r[p]);
       }
+    // Each dimension's values of keys 2m and 2m + 1 side by side: words m and 16 + m of cvtne2ps's result.
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
+                                                18, 2, 17, 1, 16, 0);
     for (int64_t pair = 0; pair < kKeys / 2; ++pair) {
       const int64_t a = 2 * pair, c = a + 1;
       for (int64_t i = 0; i < d; i += 16) {
         const __m512 va = a < n ? load16(value(a) + i) : _mm512_setzero_ps();
         const __m512 vc = c < n ? load16(value(c) + i) : _mm512_setzero_ps();
-        _mm512_storeu_si512(values + pair * d + i, _mm512_or_si512(to_bf16_lanes(va), _mm512_slli_epi32(to_bf16_lanes(vc), 16)));
+        _mm512_storeu_si512(values + pair * d + i, _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(vc, va)));
       }
     }
   }
@@ -250,22 +257,26 @@ struct Bf16Products {
 
   template <int kRows>
   static void output_tile(const Packed* p, const float* rescale, const Packed* values, int64_t d, float* out) {
-    for (int64_t dim0 = 0; dim0 < d; dim0 += 64) {
-      const int vectors = static_cast<int>(std::min<int64_t>(4, (d - dim0) / 16));
-      __m512 acc[kRows][4];
-      for (int r = 0; r < kRows; ++r)
-        for (int c = 0; c < vectors; ++c) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(out + r * d + dim0 + 16 * c), _mm512_set1_ps(rescale[r]));
-      for (int64_t pair = 0; pair < kKeys / 2; ++pair) {
-        __m512i v[4];
-        for (int c = 0; c < vectors; ++c) v[c] = _mm512_loadu_si512(values + pair * d + dim0 + 16 * c);
-        for (int r = 0; r < kRows; ++r) {
-          const __m512i pp = _mm512_set1_epi32(static_cast<int>(p[r * (kKeys / 2) + pair]));
-          for (int c = 0; c < vectors; ++c) acc[r][c] = dot(acc[r][c], pp, v[c]);
-        }
+    for (int64_t dim0 = 0; dim0 < d; dim0 += 64)
+      with_vectors((d - dim0) / 16, [&](auto vectors) { output_piece<kRows, decltype(vectors)::value>(p, rescale, values, d, dim0, out); });
+  }
+
+  // kVectors vectors of 16 dimensions from dim0 (a compile-time count, so that the accumulators stay in registers).
+  template <int kRows, int kVectors>
+  static void output_piece(const Packed* p, const float* rescale, const Packed* values, int64_t d, int64_t dim0, float* out) {
+    __m512 acc[kRows][kVectors];
+    for (int r = 0; r < kRows; ++r)
+      for (int c = 0; c < kVectors; ++c) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(out + r * d + dim0 + 16 * c), _mm512_set1_ps(rescale[r]));
+    for (int64_t pair = 0; pair < kKeys / 2; ++pair) {
+      __m512i v[kVectors];
+      for (int c = 0; c < kVectors; ++c) v[c] = _mm512_loadu_si512(values + pair * d + dim0 + 16 * c);
+      for (int r = 0; r < kRows; ++r) {
+        const __m512i pp = _mm512_set1_epi32(static_cast<int>(p[r * (kKeys / 2) + pair]));
+        for (int c = 0; c < kVectors; ++c) acc[r][c] = dot(acc[r][c], pp, v[c]);
       }
-      for (int r = 0; r < kRows; ++r)
-        for (int c = 0; c < vectors; ++c) _mm512_storeu_ps(out + r * d + dim0 + 16 * c, acc[r][c]);
     }
+    for (int r = 0; r < kRows; ++r)
+      for (int c = 0; c < kVectors; ++c) _mm512_storeu_ps(out + r * d + dim0 + 16 * c, acc[r][c]);
   }
 };
 #endif
@@ -284,6 +295,23 @@ float exp_block(float* x, float max) {
   float total = 0.f;
   for (const float part : parts) total += part;
   return total;
+}
+
+// x[j] = -inf for j outside [lo, hi); returns the largest x[j] inside (-inf if none), 8 lanes at a time.
+inline float mask_block(float* x, int64_t lo, int64_t hi) {
+  const __m256i low = _mm256_set1_epi32(static_cast<int>(lo)), high = _mm256_set1_epi32(static_cast<int>(hi));
+  const __m256 neg_inf = _mm256_set1_ps(kNegInf);
+  __m256 max = neg_inf;
+  for (int j = 0; j < kKeys; j += 8) {
+    const __m256i index = _mm256_add_epi32(_mm256_set1_epi32(j), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i inside = _mm256_andnot_si256(_mm256_cmpgt_epi32(low, index), _mm256_cmpgt_epi32(high, index));  // lo <= j < hi
+    const __m256 v = _mm256_blendv_ps(neg_inf, _mm256_loadu_ps(x + j), _mm256_castsi256_ps(inside));
+    _mm256_storeu_ps(x + j, v);
+    max = _mm256_max_ps(max, v);
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(max), _mm256_extractf128_ps(max, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
 }
 
 // One entry of the call: `count` query rows from flat row `row`, at positions first .. first + count - 1, whose
@@ -312,9 +340,14 @@ void pack_context(const T* k_cache, const T* v_cache, const Entry& e, int64_t h,
   auto pack = [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t key0 = (first_block + b) * kKeys, n = std::min(kKeys, num_keys - key0);
-      auto slot = [&](int64_t j) { const int64_t pos = key0 + j; return e.table[pos / c.block_size] * c.block_size + pos % c.block_size; };
-      auto key = [&](int64_t j) { return k_head + slot(j) * d; };
-      auto value = [&](int64_t j) { return v_head + slot(j) * d; };
+      const T* key_rows[kKeys];  // the block's keys' and values' rows, looked up once (a division per key)
+      const T* value_rows[kKeys];
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t pos = key0 + j, slot = e.table[pos / c.block_size] * c.block_size + pos % c.block_size;
+        key_rows[j] = k_head + slot * d, value_rows[j] = v_head + slot * d;
+      }
+      auto key = [&](int64_t j) { return key_rows[j]; };
+      auto value = [&](int64_t j) { return value_rows[j]; };
       typename P::Packed* kb = out.keys.data() + b * out.block_elems;
       typename P::Packed* vb = out.values.data() + b * out.block_elems;
       P::template pack_block<T>(key, value, n, d, kb, vb);
@@ -367,10 +400,7 @@ void attend_item(const float* q, int64_t q_row_stride, float* out, int64_t out_r
       const int64_t pos = e.first + i0 + r / group;
       // Keys key0 + j visible from pos: j in [lo, hi).
       const int64_t lo = std::clamp<int64_t>(lowest_key(pos, c.window) - key0, 0, kKeys), hi = std::clamp<int64_t>(pos + 1 - key0, 0, kKeys);
-      for (int64_t j = 0; j < lo; ++j) x[j] = kNegInf;
-      for (int64_t j = std::max(hi, lo); j < kKeys; ++j) x[j] = kNegInf;
-      float block_max = kNegInf;
-      for (int64_t j = lo; j < hi; ++j) block_max = std::max(block_max, x[j]);
+      const float block_max = mask_block(x, lo, hi);
       const float new_max = std::max(s.max[r], block_max);
       if (new_max == kNegInf) {  // nothing visible yet: no probabilities, nothing to rescale
         std::fill_n(x, kKeys, 0.f);
