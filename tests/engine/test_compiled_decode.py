@@ -16,6 +16,7 @@ from tests.models.test_gguf_loader import Q, tiny_model, write_gguf  # noqa: F40
 from tokenloop import kernels
 from tokenloop.engine import compiled_decode
 from tokenloop.engine.block_manager import BlockManager
+from tokenloop.engine.llm_engine import EngineConfig
 from tokenloop.engine.model_runner import ModelRunner
 from tokenloop.engine.scheduler import ScheduledBatch
 from tokenloop.engine.sequence import Sequence
@@ -23,7 +24,7 @@ from tokenloop.models.loader import load_model
 from tokenloop.models.quant import Int8Embedding
 from tokenloop.sampling.params import SamplingParams
 
-BLOCK_SIZE, NUM_BLOCKS = 4, 64
+BLOCK_SIZE, NUM_BLOCKS = 16, 32
 STEPS = 16
 SINGLE = [[5, 9, 2, 44, 17]]
 # One-token prompts: the first decode step attends 2 keys, as many as the model has KV heads (a size a
@@ -34,8 +35,9 @@ BATCH = [[3, 7, 11], [60, 2, 2, 8, 31, 5, 90], [12, 40, 41, 13, 1]]
 
 def runner_for(path, compile: bool) -> ModelRunner:
     loaded = load_model(path, torch.float32, torch.device("cpu"), load_tokenizer=False, keep_quantized=True)
-    # A float16 KV cache, as the engine's fast path has (EngineConfig.kv_cache_dtype).
-    return ModelRunner(loaded.model, loaded.config, NUM_BLOCKS, BLOCK_SIZE, torch.float16, torch.device("cpu"), compile)
+    # The KV cache's dtype of the engine's fast path (bfloat16 or float16, by the CPU).
+    kv_dtype = EngineConfig(device="cpu").kv_cache_dtype
+    return ModelRunner(loaded.model, loaded.config, NUM_BLOCKS, BLOCK_SIZE, kv_dtype, torch.device("cpu"), compile)
 
 
 def greedy(runner: ModelRunner, prompts: list[list[int]], steps: int = STEPS, forced: list[list[int]] | None = None):

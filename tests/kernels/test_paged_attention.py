@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tokenloop import kernels
+from tokenloop.models import kv_layout
 
 pytestmark = pytest.mark.skipif(kernels._unsupported_reason() is not None, reason=str(kernels._unsupported_reason()))
 
@@ -17,13 +18,14 @@ def built():
     assert kernels.cpu_kernels_available()
 
 
-def bf16_products(cache_dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the kernel multiplies in bfloat16 here (AVX512-BF16, a float16 cache, head_dim a multiple of 32)."""
-    return cache_dtype == torch.float16 and head_dim % 32 == 0 and torch.cpu._is_avx512_bf16_supported()
+def skip_unless_supported(cache_dtype: torch.dtype, head_dim: int) -> None:
+    if not kernels.attention_kernel_supports(cache_dtype, head_dim):
+        pytest.skip(f"no kernel for a {cache_dtype} cache of head_dim {head_dim} on this CPU")
 
 
 class Cache:
-    """A paged cache with random contents and, per sequence, a block table of scattered blocks."""
+    """A paged cache with random contents, in the kernel's block layout (its rows kept for the reference) and, per
+    sequence, a block table of scattered blocks."""
 
     def __init__(self, gen, kv_heads, head_dim, dtype, block_size, lengths):
         self.block_size = block_size
@@ -34,8 +36,9 @@ class Cache:
             self.tables.append(order[i : i + n])
             i += n
         slots = (sum(blocks_each) + 3) * block_size
-        self.k = torch.randn(kv_heads, slots, head_dim, generator=gen).to(dtype)
-        self.v = torch.randn(kv_heads, slots, head_dim, generator=gen).to(dtype)
+        self.k_rows = torch.randn(kv_heads, slots, head_dim, generator=gen).to(dtype)
+        self.v_rows = torch.randn(kv_heads, slots, head_dim, generator=gen).to(dtype)
+        self.k, self.v = kv_layout.from_rows(self.k_rows, self.v_rows, block_size)
 
     def slots(self, seq: int, n: int) -> torch.Tensor:
         bs = self.block_size
@@ -63,8 +66,8 @@ def reference(q_rows, cache, seq, first, window, scale):
         pos = first + i
         lo = max(pos - window + 1, 0) if window else 0
         slots = cache.slots(seq, pos + 1)[lo:]
-        keys = cache.k[:, slots].double().transpose(0, 1).repeat_interleave(q_heads // kv_heads, dim=1)  # [n, q_heads, D]
-        values = cache.v[:, slots].double().transpose(0, 1).repeat_interleave(q_heads // kv_heads, dim=1)
+        keys = cache.k_rows[:, slots].double().transpose(0, 1).repeat_interleave(q_heads // kv_heads, dim=1)  # [n, q_heads, D]
+        values = cache.v_rows[:, slots].double().transpose(0, 1).repeat_interleave(q_heads // kv_heads, dim=1)
         weights = torch.softmax(torch.einsum("hd,nhd->hn", q.double(), keys) * scale, dim=-1)
         out.append(torch.einsum("hn,nhd->hd", weights, values).flatten())
     return torch.stack(out)
@@ -73,9 +76,10 @@ def reference(q_rows, cache, seq, first, window, scale):
 CASES = [(9, 3, 64, 0), (4, 4, 16, 0), (8, 1, 256, 0), (4, 2, 40, 0), (4, 1, 256, 20), (4, 2, 16, 8)]
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim,window", CASES)
 def test_each_query_attends_to_its_causal_window_of_the_paged_cache(cache_dtype, q_heads, kv_heads, head_dim, window):
+    skip_unless_supported(cache_dtype, head_dim)
     gen = torch.Generator().manual_seed(q_heads * head_dim + window)
     lengths = [70, 1, 130, 33]
     cache = Cache(gen, kv_heads, head_dim, cache_dtype, 16, lengths)
@@ -85,15 +89,16 @@ def test_each_query_attends_to_its_causal_window_of_the_paged_cache(cache_dtype,
     scale = head_dim**-0.5
     out = attend(q, cache, entries, window, scale)
     expected = torch.cat([reference(q[r : r + c], cache, s, f, window, scale) for (s, f, c), r in zip(entries, [0, 70, 71, 111])])
-    if bf16_products(cache_dtype, head_dim):  # bfloat16 products: 8 bits of mantissa on q, k, p and v
+    if cache_dtype == torch.bfloat16:  # bfloat16 products: 8 bits of mantissa on q, k, p and v
         assert (out.double() - expected).abs().mean() < 0.01 * expected.abs().mean()
     else:
         torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim,window", CASES)
 def test_a_query_row_gets_the_same_floats_however_its_sequence_is_split_and_whatever_is_beside_it(cache_dtype, q_heads, kv_heads, head_dim, window):
+    skip_unless_supported(cache_dtype, head_dim)
     gen = torch.Generator().manual_seed(7 + head_dim)
     cache = Cache(gen, kv_heads, head_dim, cache_dtype, 16, [300, 50, 9])
     q = torch.randn(300, q_heads, head_dim, generator=gen)
@@ -115,15 +120,36 @@ def test_a_query_row_gets_the_same_floats_however_its_sequence_is_split_and_what
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_block_size_changes_no_float(cache_dtype):
+    skip_unless_supported(cache_dtype, 64)
+    gen = torch.Generator().manual_seed(3)
+    keys, values = (torch.randn(3, 320, 64, generator=gen).to(cache_dtype) for _ in range(2))
+    q = torch.randn(300, 9, 64, generator=gen)
+    outs = []
+    for block_size in (16, 32, 64):
+        k, v = kv_layout.from_rows(keys, values, block_size)
+        table = torch.arange(320 // block_size).unsqueeze(0)
+        one = torch.tensor([1])
+        outs.append(torch.cat([torch.ops.tokenloop.paged_attention(q[a : a + 1], k, v, table, block_size, torch.tensor([0]), one, torch.tensor([a]), 0, 0.125)
+                               for a in range(0, 300, 37)] + [torch.ops.tokenloop.paged_attention(q, k, v, table, block_size, torch.tensor([0]),
+                                                                                                 torch.tensor([300]), torch.tensor([0]), 0, 0.125)]))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 def test_bad_inputs_raise_a_clear_error():
-    cache = Cache(torch.Generator().manual_seed(0), 2, 16, torch.float32, 4, [8])
+    cache = Cache(torch.Generator().manual_seed(0), 2, 16, torch.float32, 16, [8])
     q = torch.randn(8, 4, 16)
     with pytest.raises(RuntimeError, match="cover q's 8 rows"):
         attend(q, cache, [(0, 0, 7)])
     with pytest.raises(RuntimeError, match="longer than its block table"):
-        attend(q[:1], cache, [(0, 8, 1)])
+        attend(q[:1], cache, [(0, 16, 1)])
+    with pytest.raises(RuntimeError, match="block_size must be a multiple of 16"):
+        cache.block_size = 8
+        attend(q, cache, [(0, 0, 8)])
+    cache.block_size = 16
     with pytest.raises(RuntimeError, match="multiple of the cache's KV heads"):
         attend(torch.randn(8, 3, 16), cache, [(0, 0, 8)])
-    with pytest.raises(RuntimeError, match="float16 or float32"):
+    with pytest.raises(RuntimeError, match="bfloat16, float16 or float32"):
         cache.k, cache.v = cache.k.double(), cache.v.double()
         attend(q, cache, [(0, 0, 8)])

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenloop import kernels
+from tokenloop.models import kv_layout
 from tokenloop.models.layers import RotaryEmbedding, apply_rotary
 
 pytestmark = pytest.mark.skipif(kernels._unsupported_reason() is not None, reason=str(kernels._unsupported_reason()))
@@ -20,14 +21,15 @@ def built():
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
-@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("tokens,q_heads,kv_heads,head_dim", [(37, 9, 3, 64), (5, 4, 1, 256), (1, 2, 2, 16)])
 def test_rotates_q_and_k_in_place_and_writes_k_and_v_to_their_slots(qk_norm, cache_dtype, tokens, q_heads, kv_heads, head_dim):
     gen = torch.Generator().manual_seed(tokens * head_dim)
     rotary = RotaryEmbedding(head_dim, 4096, 10000.0, None)
     cos, sin = rotary.tables(torch.randint(0, 4096, (tokens,), generator=gen))
     qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, generator=gen)
-    num_slots = 3 * tokens + 5
+    block_size = 16
+    num_slots = -(-(3 * tokens + 5) // block_size) * block_size
     slots = torch.randperm(num_slots, generator=gen)[:tokens]
     k_cache = torch.randn(kv_heads, num_slots, head_dim, generator=gen).to(cache_dtype)
     v_cache = torch.randn(kv_heads, num_slots, head_dim, generator=gen).to(cache_dtype)
@@ -39,11 +41,11 @@ def test_rotates_q_and_k_in_place_and_writes_k_and_v_to_their_slots(qk_norm, cac
         heads = weights * F.rms_norm(heads, (head_dim,), eps=norms[2])
     rotated = apply_rotary(heads, (cos, sin))
     v = qkv[:, (q_heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
-    expected_k = k_cache.clone().index_copy_(1, slots, rotated[:, q_heads:].transpose(0, 1).to(cache_dtype))
-    expected_v = v_cache.clone().index_copy_(1, slots, v.transpose(0, 1).to(cache_dtype))
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    kv_layout.write(expected_k, expected_v, slots, rotated[:, q_heads:], v, block_size)
     expected_qkv = torch.cat([rotated.flatten(1), v.flatten(1)], dim=1)
 
-    torch.ops.tokenloop.rotary_cache_write(qkv, cos.squeeze(1), sin.squeeze(1), k_cache, v_cache, slots, q_heads, *norms)
+    torch.ops.tokenloop.rotary_cache_write(qkv, cos.squeeze(1), sin.squeeze(1), k_cache, v_cache, slots, block_size, q_heads, *norms)
     same = torch.equal if not qk_norm else lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-5 if a.dtype == torch.float32 else 2e-3)
     assert same(qkv, expected_qkv)
     assert same(k_cache, expected_k)
@@ -52,16 +54,16 @@ def test_rotates_q_and_k_in_place_and_writes_k_and_v_to_their_slots(qk_norm, cac
 
 def test_bad_inputs_raise_a_clear_error():
     qkv, table = torch.randn(3, 4 * 16), torch.randn(3, 16)
-    cache, slots = torch.zeros(1, 8, 16), torch.arange(3)
+    cache, slots = torch.zeros(1, 16, 16), torch.arange(3)
     with pytest.raises(RuntimeError, match="qkv must be"):
-        torch.ops.tokenloop.rotary_cache_write(torch.randn(3, 5 * 16), table, table, cache, cache, slots, 2)
+        torch.ops.tokenloop.rotary_cache_write(torch.randn(3, 5 * 16), table, table, cache, cache, slots, 16, 2)
     with pytest.raises(RuntimeError, match="cos and sin must be"):
-        torch.ops.tokenloop.rotary_cache_write(qkv, table[:2], table, cache, cache, slots, 2)
+        torch.ops.tokenloop.rotary_cache_write(qkv, table[:2], table, cache, cache, slots, 16, 2)
     with pytest.raises(RuntimeError, match="slot_mapping must be"):
-        torch.ops.tokenloop.rotary_cache_write(qkv, table, table, cache, cache, slots[:2], 2)
+        torch.ops.tokenloop.rotary_cache_write(qkv, table, table, cache, cache, slots[:2], 16, 2)
     with pytest.raises(RuntimeError, match="q_norm and k_norm come together"):
-        torch.ops.tokenloop.rotary_cache_write(qkv, table, table, cache, cache, slots, 2, torch.ones(16), None, 1e-6)
+        torch.ops.tokenloop.rotary_cache_write(qkv, table, table, cache, cache, slots, 16, 2, torch.ones(16), None, 1e-6)
     with pytest.raises(RuntimeError, match="q_norm and k_norm must be"):
-        torch.ops.tokenloop.rotary_cache_write(qkv, table, table, cache, cache, slots, 2, torch.ones(8), torch.ones(8), 1e-6)
-    with pytest.raises(RuntimeError, match="slot 8 is outside the cache's 8 slots"):
-        torch.ops.tokenloop.rotary_cache_write(qkv, table, table, cache, cache, torch.tensor([0, 8, 1]), 2)
+        torch.ops.tokenloop.rotary_cache_write(qkv, table, table, cache, cache, slots, 16, 2, torch.ones(8), torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match="slot 16 is outside the cache's 16 slots"):
+        torch.ops.tokenloop.rotary_cache_write(qkv, table, table, cache, cache, torch.tensor([0, 16, 1]), 16, 2)

@@ -76,8 +76,8 @@ def test_a_batch_of_32_mixing_drafting_and_plain_requests_changes_no_token(tiny_
 
 
 def test_preemption_with_drafts_changes_no_token(tiny_model_folder, reference, spec):
-    # A pool of 24 blocks of 4 tokens: the six sequences cannot all hold their context; some are preempted.
-    llm = make(tiny_model_folder, spec, kv_cache_gb=24 * 4 * 2 * 2 * 2 * 32 * 4 / 2**30, block_size=4)
+    # A pool of 6 blocks of 16 tokens: the six sequences cannot all hold their context; some are preempted.
+    llm = make(tiny_model_folder, spec, kv_cache_gb=6 * 16 * 2 * 2 * 2 * 32 * 4 / 2**30)
     assert tokens(llm, PROMPTS) == reference
     assert llm.llm_engine.scheduler.num_preemptions > 0
     assert_nothing_held(llm)
@@ -132,15 +132,16 @@ def test_stop_strings_and_max_tokens_inside_an_accepted_run(tiny_model_folder, t
 
 
 def test_rejected_draft_tokens_never_enter_the_prefix_cache(tiny_model_folder, spec):
-    llm = make(tiny_model_folder, spec, block_size=4)
+    llm = make(tiny_model_folder, spec)
     engine = llm.llm_engine
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert engine.speculator.stats.num_accepted_tokens < engine.speculator.stats.num_draft_tokens
     sequences = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
     cached = [b for b in engine.block_manager.blocks if b.hash is not None]
     assert cached
+    bs = engine.config.block_size
     for block in cached:  # each cached block holds a run of some sequence's real tokens, at a block boundary
-        assert any(tuple(s[i : i + 4]) == block.token_ids for s in sequences for i in range(0, len(s) - 3, 4)), block
+        assert any(tuple(s[i : i + bs]) == block.token_ids for s in sequences for i in range(0, len(s) - bs + 1, bs)), block
 
 
 def test_aborting_drafting_requests_leaves_no_block_behind(tiny_model_folder, spec):

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from tokenloop import kernels
 from tokenloop.engine.beam_search import Beam, BeamSearch, BeamSearchParams
 from tokenloop.engine.block_manager import BlockManager, weights_fingerprint
 from tokenloop.engine.compiled_decode import CompileSpec
@@ -85,6 +86,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.block_size % 16:  # attention reads keys 16 consecutive positions at a time
+            raise ValueError(f"block_size must be a multiple of 16, got {self.block_size}")
         if not self.kv_cache_gb > 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         if self.device is not None:
@@ -100,9 +103,12 @@ class EngineConfig:
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
-        """The fast path keeps K/V in float16, as llama.cpp does: half the memory of a long or busy cache,
-        converted to float32 as attention reads it. The exact path keeps them in its own dtype."""
-        return torch.float16 if self.dtype == "auto" else self.torch_dtype
+        """The fast path keeps K/V in 16 bits, as llama.cpp does (half the memory of a long or busy cache):
+        bfloat16 where the CPU multiplies bfloat16 pairs (AVX512-BF16), which attention's products then read as
+        they are, else float16, converted to float32 as attention reads it. The exact path keeps its own dtype."""
+        if self.dtype != "auto":
+            return self.torch_dtype
+        return torch.bfloat16 if self.torch_device.type == "cpu" and kernels.bfloat16_cache_supported() else torch.float16
 
     @property
     def torch_device(self) -> torch.device:

@@ -7,8 +7,8 @@
   row count, a few rows in one pass over the weights (BLAS packs them first, and sums in an order that changes
   with the shape).
 - `paged_attention.cpp` computes every query's attention (prompt chunks, decodes, drafts) straight from the paged
-  KV cache, each query row in one fixed order whatever the call: bfloat16 products on CPUs with AVX512-BF16 and
-  a float16 cache, float32 otherwise.
+  KV cache (laid out for it: kv_cache.h), each query row in one fixed order whatever the call: bfloat16 products
+  on a bfloat16 cache (CPUs with AVX512-BF16), float32 on a float16 or float32 one.
 - `rms_norm.cpp` normalises rows in one pass (eager PyTorch makes six).
 - `rotary_cache.cpp` rotates queries and keys and writes keys and values into the cache in one pass (eager
   PyTorch makes about nine).
@@ -71,6 +71,18 @@ def cpu_kernels_available() -> bool:
             why = f"building or loading it failed: {getattr(e, 'stderr', None) or e}"
     warnings.warn(f"tokenloop's CPU kernels are not used ({why}); quantized weights are dequantized for every product, which is slower", stacklevel=2)
     return False
+
+
+def bfloat16_cache_supported() -> bool:
+    """Whether the attention kernel reads a bfloat16 KV cache here: built with AVX512-BF16's dot products."""
+    return cpu_kernels_available() and "-mavx512bf16" in _cxx_flags()
+
+
+def attention_kernel_supports(kv_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether paged_attention runs on a CPU cache of this dtype and head size (elsewhere, SDPA does)."""
+    if kv_dtype == torch.bfloat16:
+        return head_dim % 16 == 0 and bfloat16_cache_supported()
+    return kv_dtype in (torch.float16, torch.float32) and head_dim % 8 == 0 and cpu_kernels_available()
 
 
 def _unsupported_reason() -> str | None:
@@ -148,7 +160,7 @@ def _register_fake_kernels() -> None:
 
     # Writes q and k in place (rotated) and k and v into the caches: the schema marks them mutated.
     @torch.library.register_fake("tokenloop::rotary_cache_write")
-    def _(qkv, cos, sin, k_cache, v_cache, slot_mapping, q_heads, q_norm=None, k_norm=None, eps=0.0):
+    def _(qkv, cos, sin, k_cache, v_cache, slot_mapping, block_size, q_heads, q_norm=None, k_norm=None, eps=0.0):
         return None
 
     @torch.library.register_fake("tokenloop::paged_attention")

@@ -12,10 +12,11 @@
 // its probabilities are exact zeros and its rescale factor exactly 1. Work items (entry, KV head, block of query
 // positions) may therefore start at any block and cover any rows.
 //
-// The products: on CPUs with AVX512-BF16 and a float16 cache, AVX512-BF16's vdpbf16ps on queries, keys,
-// probabilities and values rounded to bfloat16 (32 multiply-adds an instruction), sums in float32; otherwise
-// float32 FMAs (the exact float32 path). The context is read from the cache once per work item (or once per
-// entry and KV head for a long prompt chunk), into blocks laid out for those products.
+// The products: on a bfloat16 cache (CPUs with AVX512-BF16), AVX512-BF16's vdpbf16ps on queries and probabilities
+// rounded to bfloat16 and the cache's keys and values (32 multiply-adds an instruction), sums in float32; on a
+// float16 or float32 cache, float32 FMAs (the exact float32 path). Either reads keys and values where they are in
+// the cache, whose blocks are laid out for these products (kv_cache.h): nothing is copied or converted per step
+// but the queries.
 #define CPU_CAPABILITY AVX2
 #define CPU_CAPABILITY_AVX2
 #include <ATen/Parallel.h>
@@ -37,6 +38,7 @@
 namespace {
 
 constexpr int64_t kKeys = 32;       // keys per block, aligned to absolute positions
+constexpr int64_t kGroup = 16;      // consecutive keys per group: a block's keys are two groups
 constexpr int64_t kQueryRows = 64;  // query rows (positions x query heads of a KV head) per work item
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -52,73 +54,37 @@ inline void with_vectors(int64_t n, Fn&& fn) {
   else fn(std::integral_constant<int, 1>{});
 }
 
-// In place, the rows of an 8 x 8 float matrix become its columns.
-inline void transpose8(__m256 r[8]) {
-  __m256 t[8];
-  for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  __m256 u[8];
-  for (int i = 0; i < 8; i += 4)
-    for (int j = 0; j < 2; ++j) {
-      u[i + j] = _mm256_shuffle_ps(t[i + j], t[i + j + 2], _MM_SHUFFLE(1, 0, 1, 0));
-      u[i + j + 2] = _mm256_shuffle_ps(t[i + j], t[i + j + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    }
-  // u[i + b] (b = 0..3) holds, in 128-bit lane L, column 4L + c(b) of rows i .. i + 3, with c = 0, 2, 1, 3.
-  const int order[4] = {0, 2, 1, 3};
-  for (int c = 0; c < 4; ++c) {
-    r[c] = _mm256_permute2f128_ps(u[order[c]], u[4 + order[c]], 0x20);
-    r[c + 4] = _mm256_permute2f128_ps(u[order[c]], u[4 + order[c]], 0x31);
-  }
-}
-
-// The context of one (entry, KV head) from key block `first_block` on, in `Products`'s layout.
-template <typename Packed>
-struct PackedContext {
-  std::vector<Packed> keys, values;
-  int64_t first_block = 0, block_elems = 0;  // elements of one block's keys (and of its values)
-
-  const Packed* key_block(int64_t block) const { return keys.data() + (block - first_block) * block_elems; }
-  const Packed* value_block(int64_t block) const { return values.data() + (block - first_block) * block_elems; }
+// One block of 32 keys in the cache: its two groups of 16 consecutive positions, each within one cache block
+// (block_size is a multiple of 16), at their first key's place in the block's keys and in its values.
+template <typename T>
+struct KeyBlock {
+  const T* keys[2];
+  const T* values[2];
 };
 
-// Float32 products on 8-lane vectors (AVX2; the same floats on an AVX-512 CPU). Queries [D] floats; a block's keys
-// [D][32] (each dimension's value for the 32 keys: one broadcast query value times 4 vectors of keys), its values
-// [32][D]; probabilities [32] floats.
+// Float32 products on 8-lane vectors (AVX2; the same floats on an AVX-512 CPU) from a float16 or float32 cache:
+// per dimension, one broadcast query value times 4 vectors of 8 keys; per key, one broadcast probability times
+// its value's dimensions.
+template <typename T>
 struct F32Products {
-  using Packed = float;
+  using Cached = T;
+  using Packed = float;                  // queries and probabilities as the products take them
   static constexpr int kScoreRows = 2;   // query rows per tile of scores: 2 x 4 accumulators
   static constexpr int kOutputRows = 2;  // query rows per tile of outputs: 2 x 4 accumulators of 8 dimensions
   static int64_t query_elems(int64_t d) { return d; }
-  static int64_t block_elems(int64_t d) { return kKeys * d; }
   static constexpr int64_t kProbElems = kKeys;
 
-  template <typename T>
-  static void pack_query(const T* x, int64_t d, Packed* out) {
-    for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(out + i, load8(x + i));
-  }
-
-  // Keys key0 .. key0 + n - 1 of a block (n <= 32; the rest zeros), their rows at key(j) and value(j).
-  template <typename T, typename KeyRow, typename ValueRow>
-  static void pack_block(KeyRow&& key, ValueRow&& value, int64_t n, int64_t d, Packed* keys, Packed* values) {
-    for (int64_t j0 = 0; j0 < kKeys; j0 += 8)
-      for (int64_t i = 0; i < d; i += 8) {  // 8 dimensions of 8 keys, transposed
-        __m256 r[8];
-        for (int j = 0; j < 8; ++j) r[j] = j0 + j < n ? load8(key(j0 + j) + i) : _mm256_setzero_ps();
-        transpose8(r);
-        for (int c = 0; c < 8; ++c) _mm256_storeu_ps(keys + (i + c) * kKeys + j0, r[c]);
-      }
-    for (int64_t j = 0; j < kKeys; ++j)
-      for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(values + j * d + i, j < n ? load8(value(j) + i) : _mm256_setzero_ps());
-  }
+  static void pack_query(const float* x, int64_t d, Packed* out) { std::copy(x, x + d, out); }
 
   // scores [kRows][32] = scale * q . k, each score summed over the dimensions in order.
   template <int kRows>
-  static void score_tile(const Packed* q, const Packed* keys, int64_t d, float scale, float* scores) {
+  static void score_tile(const Packed* q, const KeyBlock<T>& b, int64_t block_size, int64_t d, float scale, float* scores) {
     __m256 acc[kRows][4];
     for (auto& row : acc)
       for (auto& a : row) a = _mm256_setzero_ps();
     for (int64_t i = 0; i < d; ++i) {
       __m256 k[4];
-      for (int c = 0; c < 4; ++c) k[c] = _mm256_loadu_ps(keys + i * kKeys + 8 * c);
+      for (int c = 0; c < 4; ++c) k[c] = load8(b.keys[c / 2] + i * block_size + 8 * (c % 2));
       for (int r = 0; r < kRows; ++r) {
         const __m256 qv = _mm256_set1_ps(q[r * d + i]);
         for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_fmadd_ps(qv, k[c], acc[r][c]);
@@ -133,21 +99,22 @@ struct F32Products {
 
   // out [kRows][D] = out * rescale + p . v, each sum over the block's keys in order; dimensions in pieces of 32.
   template <int kRows>
-  static void output_tile(const Packed* p, const float* rescale, const Packed* values, int64_t d, float* out) {
+  static void output_tile(const Packed* p, const float* rescale, const KeyBlock<T>& b, int64_t d, float* out) {
     for (int64_t dim0 = 0; dim0 < d; dim0 += 32)
-      with_vectors((d - dim0) / 8, [&](auto vectors) { output_piece<kRows, decltype(vectors)::value>(p, rescale, values, d, dim0, out); });
+      with_vectors((d - dim0) / 8, [&](auto vectors) { output_piece<kRows, decltype(vectors)::value>(p, rescale, b, d, dim0, out); });
   }
 
   // kVectors vectors of 8 dimensions from dim0 (a compile-time count: with a runtime one, gcc keeps the
   // accumulators on the stack).
   template <int kRows, int kVectors>
-  static void output_piece(const Packed* p, const float* rescale, const Packed* values, int64_t d, int64_t dim0, float* out) {
+  static void output_piece(const Packed* p, const float* rescale, const KeyBlock<T>& b, int64_t d, int64_t dim0, float* out) {
     __m256 acc[kRows][kVectors];
     for (int r = 0; r < kRows; ++r)
       for (int c = 0; c < kVectors; ++c) acc[r][c] = _mm256_mul_ps(_mm256_loadu_ps(out + r * d + dim0 + 8 * c), _mm256_set1_ps(rescale[r]));
     for (int64_t j = 0; j < kKeys; ++j) {
+      const T* value = b.values[j / kGroup] + (j % kGroup) * d + dim0;
       __m256 v[kVectors];
-      for (int c = 0; c < kVectors; ++c) v[c] = _mm256_loadu_ps(values + j * d + dim0 + 8 * c);
+      for (int c = 0; c < kVectors; ++c) v[c] = load8(value + 8 * c);
       for (int r = 0; r < kRows; ++r) {
         const __m256 pj = _mm256_set1_ps(p[r * kKeys + j]);
         for (int c = 0; c < kVectors; ++c) acc[r][c] = _mm256_fmadd_ps(pj, v[c], acc[r][c]);
@@ -159,85 +126,32 @@ struct F32Products {
 };
 
 #ifdef __AVX512BF16__
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 // 16 floats → 16 bfloat16 (round to nearest even).
 inline __m256i bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 inline __m512 dot(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+inline __m512i load_pairs(const at::BFloat16* p, int64_t pairs) { return _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(p) + pairs); }
 
-// In place, the rows of a 16 x 16 matrix of 32-bit elements become its columns.
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  for (int i = 0; i < 16; i += 4)
-    for (int j = 0; j < 2; ++j) {
-      r[i + j] = _mm512_unpacklo_epi64(t[i + j], t[i + j + 2]);
-      r[i + j + 2] = _mm512_unpackhi_epi64(t[i + j], t[i + j + 2]);
-    }
-  // r[4a + b] now holds, in each 128-bit lane L, column (4L + c(b)) of rows 4a .. 4a + 3, with c = 0, 2, 1, 3.
-  for (int i = 0; i < 16; i += 8)
-    for (int j = 0; j < 4; ++j) {
-      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], _MM_SHUFFLE(2, 0, 2, 0));
-      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], _MM_SHUFFLE(3, 1, 3, 1));
-    }
-  for (int j = 0; j < 8; ++j) {
-    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], _MM_SHUFFLE(2, 0, 2, 0));
-    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], _MM_SHUFFLE(3, 1, 3, 1));
-  }
-  // r[k]: column 4 (k / 4) + c(k % 4) of every row, with c = 0, 2, 1, 3 as above; put them in order.
-  __m512i out[16];
-  const int cb[4] = {0, 2, 1, 3};
-  for (int k = 0; k < 16; ++k) out[4 * (k / 4) + cb[k % 4]] = r[k];
-  for (int k = 0; k < 16; ++k) r[k] = out[k];
-}
-
-// bfloat16 products on 16-lane vectors (AVX512-BF16). Queries as D / 2 pairs; a block's keys [D / 2][32] (per pair
-// of dimensions, that pair of each key), its values [16][D] (per pair of keys, each dimension's two values);
-// probabilities as 16 pairs.
+// bfloat16 products on 16-lane vectors (AVX512-BF16) from a bfloat16 cache. Queries as D / 2 pairs of dimensions,
+// times the cache's keys (per pair of dimensions, that pair of 16 consecutive keys); probabilities as 16 pairs of
+// keys, times the cache's values (per pair of keys, each dimension's two values).
 struct Bf16Products {
+  using Cached = at::BFloat16;
   using Packed = uint32_t;
   static constexpr int kScoreRows = 8;   // 8 x 2 accumulators
   static constexpr int kOutputRows = 4;  // 4 x 4 accumulators of 16 dimensions
   static int64_t query_elems(int64_t d) { return d / 2; }
-  static int64_t block_elems(int64_t d) { return kKeys * d / 2; }
   static constexpr int64_t kProbElems = kKeys / 2;
 
-  template <typename T>
-  static void pack_query(const T* x, int64_t d, Packed* out) {
-    for (int64_t i = 0; i < d; i += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(reinterpret_cast<uint16_t*>(out) + i), bf16(load16(x + i)));
-  }
-
-  template <typename T, typename KeyRow, typename ValueRow>
-  static void pack_block(KeyRow&& key, ValueRow&& value, int64_t n, int64_t d, Packed* keys, Packed* values) {
-    for (int64_t j0 = 0; j0 < kKeys; j0 += 16)
-      for (int64_t i = 0; i < d; i += 32) {  // 16 pairs of dimensions of 16 keys, transposed
-        __m512i r[16];
-        for (int j = 0; j < 16; ++j) {
-          const T* x = key(std::min(j0 + j, n - 1)) + i;  // past the context: any key (its score is masked)
-          r[j] = (__m512i)_mm512_cvtne2ps_pbh(load16(x + 16), load16(x));  // dimensions i .. i + 31 as 16 pairs
-        }
-        transpose16(r);
-        for (int p = 0; p < 16; ++p) _mm512_storeu_si512(keys + (i / 2 + p) * kKeys + j0, r[p]);
-      }
-    // Each dimension's values of keys 2m and 2m + 1 side by side: words m and 16 + m of cvtne2ps's result.
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
-                                                18, 2, 17, 1, 16, 0);
-    for (int64_t pair = 0; pair < kKeys / 2; ++pair) {
-      const int64_t a = 2 * pair, c = a + 1;
-      for (int64_t i = 0; i < d; i += 16) {
-        const __m512 va = a < n ? load16(value(a) + i) : _mm512_setzero_ps();
-        const __m512 vc = c < n ? load16(value(c) + i) : _mm512_setzero_ps();
-        _mm512_storeu_si512(values + pair * d + i, _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(vc, va)));
-      }
-    }
+  static void pack_query(const float* x, int64_t d, Packed* out) {
+    for (int64_t i = 0; i < d; i += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(reinterpret_cast<uint16_t*>(out) + i), bf16(_mm512_loadu_ps(x + i)));
   }
 
   template <int kRows>
-  static void score_tile(const Packed* q, const Packed* keys, int64_t d, float scale, float* scores) {
+  static void score_tile(const Packed* q, const KeyBlock<Cached>& b, int64_t block_size, int64_t d, float scale, float* scores) {
     __m512 acc[kRows][2];
     for (auto& row : acc) row[0] = row[1] = _mm512_setzero_ps();
     for (int64_t p = 0; p < d / 2; ++p) {
-      const __m512i k0 = _mm512_loadu_si512(keys + p * kKeys), k1 = _mm512_loadu_si512(keys + p * kKeys + 16);
+      const __m512i k0 = load_pairs(b.keys[0], p * block_size), k1 = load_pairs(b.keys[1], p * block_size);
       for (int r = 0; r < kRows; ++r) {
         const __m512i qp = _mm512_set1_epi32(static_cast<int>(q[r * (d / 2) + p]));
         acc[r][0] = dot(acc[r][0], qp, k0);
@@ -256,20 +170,21 @@ struct Bf16Products {
   }
 
   template <int kRows>
-  static void output_tile(const Packed* p, const float* rescale, const Packed* values, int64_t d, float* out) {
+  static void output_tile(const Packed* p, const float* rescale, const KeyBlock<Cached>& b, int64_t d, float* out) {
     for (int64_t dim0 = 0; dim0 < d; dim0 += 64)
-      with_vectors((d - dim0) / 16, [&](auto vectors) { output_piece<kRows, decltype(vectors)::value>(p, rescale, values, d, dim0, out); });
+      with_vectors((d - dim0) / 16, [&](auto vectors) { output_piece<kRows, decltype(vectors)::value>(p, rescale, b, d, dim0, out); });
   }
 
   // kVectors vectors of 16 dimensions from dim0 (a compile-time count, so that the accumulators stay in registers).
   template <int kRows, int kVectors>
-  static void output_piece(const Packed* p, const float* rescale, const Packed* values, int64_t d, int64_t dim0, float* out) {
+  static void output_piece(const Packed* p, const float* rescale, const KeyBlock<Cached>& b, int64_t d, int64_t dim0, float* out) {
     __m512 acc[kRows][kVectors];
     for (int r = 0; r < kRows; ++r)
       for (int c = 0; c < kVectors; ++c) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(out + r * d + dim0 + 16 * c), _mm512_set1_ps(rescale[r]));
     for (int64_t pair = 0; pair < kKeys / 2; ++pair) {
+      const int64_t first = pair % (kGroup / 2) * d + dim0;  // the pair's values, within its group
       __m512i v[kVectors];
-      for (int c = 0; c < kVectors; ++c) v[c] = _mm512_loadu_si512(values + pair * d + dim0 + 16 * c);
+      for (int c = 0; c < kVectors; ++c) v[c] = load_pairs(b.values[pair / (kGroup / 2)], first + 16 * c);
       for (int r = 0; r < kRows; ++r) {
         const __m512i pp = _mm512_set1_epi32(static_cast<int>(p[r * (kKeys / 2) + pair]));
         for (int c = 0; c < kVectors; ++c) acc[r][c] = dot(acc[r][c], pp, v[c]);
@@ -328,40 +243,24 @@ struct Cache {
 // Keys a query at `pos` may see: lowest_key(pos) .. pos.
 inline int64_t lowest_key(int64_t pos, int64_t window) { return window > 0 ? std::max<int64_t>(pos - window + 1, 0) : 0; }
 
-template <typename P, typename T>
-void pack_context(const T* k_cache, const T* v_cache, const Entry& e, int64_t h, const Cache& c, int64_t first_block, int64_t end_block,
-                  PackedContext<typename P::Packed>& out, bool parallel) {
-  const int64_t num_keys = e.first + e.count, d = c.d;
-  out.first_block = first_block, out.block_elems = P::block_elems(d);
-  out.keys.resize((end_block - first_block) * out.block_elems);
-  out.values.resize((end_block - first_block) * out.block_elems);
-  const T* k_head = k_cache + h * c.slots * d;
-  const T* v_head = v_cache + h * c.slots * d;
-  auto pack = [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t key0 = (first_block + b) * kKeys, n = std::min(kKeys, num_keys - key0);
-      const T* key_rows[kKeys];  // the block's keys' and values' rows, looked up once (a division per key)
-      const T* value_rows[kKeys];
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t pos = key0 + j, slot = e.table[pos / c.block_size] * c.block_size + pos % c.block_size;
-        key_rows[j] = k_head + slot * d, value_rows[j] = v_head + slot * d;
-      }
-      auto key = [&](int64_t j) { return key_rows[j]; };
-      auto value = [&](int64_t j) { return value_rows[j]; };
-      typename P::Packed* kb = out.keys.data() + b * out.block_elems;
-      typename P::Packed* vb = out.values.data() + b * out.block_elems;
-      P::template pack_block<T>(key, value, n, d, kb, vb);
-    }
-  };
-  if (parallel) parallel_chunks(end_block - first_block, 4, pack);
-  else pack(0, end_block - first_block);
+// Block `block` of 32 keys of entry e's context in KV head h's cache. A group wholly past the context stands in
+// for itself with the block's first group: its scores are masked and its probabilities zero.
+template <typename T>
+KeyBlock<T> key_block(const T* k_cache, const T* v_cache, const Entry& e, const Cache& c, int64_t h, int64_t block) {
+  KeyBlock<T> b;
+  for (int g = 0; g < 2; ++g) {
+    const int64_t pos = block * kKeys + (block * kKeys + g * kGroup < e.first + e.count ? g * kGroup : 0);
+    const int64_t start = (h * c.slots + e.table[pos / c.block_size] * c.block_size) * c.d, offset = pos % c.block_size;
+    b.keys[g] = k_cache + start + offset * kPairWidth<T>;
+    b.values[g] = v_cache + start + offset * c.d;
+  }
+  return b;
 }
 
 template <typename P>
 struct Scratch {
   std::vector<typename P::Packed> q, p;
   std::vector<float> out, scores, max, sum, rescale;
-  PackedContext<typename P::Packed> context;  // an item's own context, when its entry has one item per KV head
 };
 
 // fn(std::integral_constant<int, rows>) for a tile of up to `rows` query rows: the smaller tile where it covers them.
@@ -371,14 +270,14 @@ inline void with_tile(int64_t rows, Fn&& fn) {
   else fn(std::integral_constant<int, kMax>{});
 }
 
-// Query rows [i0, i1) of entry e (positions e.first + i), the `group` query heads of KV head h; ctx holds blocks
-// from ctx.first_block on.
+// Query rows [i0, i1) of entry e (positions e.first + i), the `group` query heads of KV head h.
 template <typename P>
-void attend_item(const float* q, int64_t q_row_stride, float* out, int64_t out_row_stride, const Entry& e, const Cache& c, int64_t h,
-                 int64_t group, int64_t i0, int64_t i1, float scale, const PackedContext<typename P::Packed>& ctx, Scratch<P>& s) {
+void attend_item(const float* q, int64_t q_row_stride, float* out, int64_t out_row_stride, const typename P::Cached* k_cache,
+                 const typename P::Cached* v_cache, const Entry& e, const Cache& c, int64_t h, int64_t group, int64_t i0, int64_t i1, float scale,
+                 Scratch<P>& s) {
   const int64_t d = c.d, rows = (i1 - i0) * group, qe = P::query_elems(d);
   constexpr int64_t kTile = std::max(P::kScoreRows, P::kOutputRows);
-  const int64_t padded = (rows + kTile - 1) / kTile * kTile;
+  const int64_t padded = (rows + kTile - 1) / kTile * kTile;  // whole tiles of either size
   s.q.assign(padded * qe, 0);
   s.p.assign(padded * P::kProbElems, 0);
   s.out.assign(padded * d, 0.f);
@@ -391,9 +290,10 @@ void attend_item(const float* q, int64_t q_row_stride, float* out, int64_t out_r
   const int64_t end = e.first + i1;
   for (int64_t block = lowest_key(e.first + i0, c.window) / kKeys; block * kKeys < end; ++block) {
     const int64_t key0 = block * kKeys;
+    const KeyBlock<typename P::Cached> b = key_block(k_cache, v_cache, e, c, h, block);
     with_tile<P::kScoreRows>(rows, [&](auto tile) {
       constexpr int kRows = decltype(tile)::value;
-      for (int64_t r = 0; r < padded; r += kRows) P::template score_tile<kRows>(s.q.data() + r * qe, ctx.key_block(block), d, scale, s.scores.data() + r * kKeys);
+      for (int64_t r = 0; r < rows; r += kRows) P::template score_tile<kRows>(s.q.data() + r * qe, b, c.block_size, d, scale, s.scores.data() + r * kKeys);
     });
     for (int64_t r = 0; r < rows; ++r) {
       float* x = s.scores.data() + r * kKeys;
@@ -414,8 +314,8 @@ void attend_item(const float* q, int64_t q_row_stride, float* out, int64_t out_r
     }
     with_tile<P::kOutputRows>(rows, [&](auto tile) {
       constexpr int kRows = decltype(tile)::value;
-      for (int64_t r = 0; r < padded; r += kRows)
-        P::template output_tile<kRows>(s.p.data() + r * P::kProbElems, s.rescale.data() + r, ctx.value_block(block), d, s.out.data() + r * d);
+      for (int64_t r = 0; r < rows; r += kRows)
+        P::template output_tile<kRows>(s.p.data() + r * P::kProbElems, s.rescale.data() + r, b, d, s.out.data() + r * d);
     });
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -425,43 +325,29 @@ void attend_item(const float* q, int64_t q_row_stride, float* out, int64_t out_r
   }
 }
 
-template <typename P, typename T>
-void attention(const float* q, int64_t q_row_stride, int64_t heads, const T* k_cache, const T* v_cache, const std::vector<Entry>& entries,
-               const Cache& c, float scale, float* y) {
+template <typename P>
+void attention(const float* q, int64_t q_row_stride, int64_t heads, const typename P::Cached* k_cache, const typename P::Cached* v_cache,
+               const std::vector<Entry>& entries, const Cache& c, float scale, float* y) {
   const int64_t group = heads / c.kv_heads, positions = std::max<int64_t>(kQueryRows / group, 1);
   struct Item {
     int64_t entry, h, i0, i1;
   };
   std::vector<Item> items;
-  // A long prompt chunk's context is packed once per KV head, for all its items; the others pack their own.
-  std::vector<PackedContext<typename P::Packed>> shared(entries.size() * c.kv_heads);
   for (int64_t b = 0; b < static_cast<int64_t>(entries.size()); ++b) {
     const Entry& e = entries[b];
-    const int64_t blocks = (e.count + positions - 1) / positions;
-    for (int64_t i = blocks - 1; i >= 0; --i)  // the latest positions (most keys) first
+    for (int64_t i = (e.count + positions - 1) / positions - 1; i >= 0; --i)  // the latest positions (most keys) first
       for (int64_t h = 0; h < c.kv_heads; ++h) items.push_back({b, h, i * positions, std::min(e.count, (i + 1) * positions)});
-    if (blocks > 1)
-      for (int64_t h = 0; h < c.kv_heads; ++h)
-        pack_context<P>(k_cache, v_cache, e, h, c, lowest_key(e.first, c.window) / kKeys, (e.first + e.count + kKeys - 1) / kKeys,
-                        shared[b * c.kv_heads + h], true);
   }
   parallel_chunks(static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     thread_local Scratch<P> scratch;
     for (int64_t n = begin; n < end; ++n) {
       const Item& it = items[n];
-      const Entry& e = entries[it.entry];
-      const PackedContext<typename P::Packed>* ctx = &shared[it.entry * c.kv_heads + it.h];
-      if (e.count <= positions) {
-        pack_context<P>(k_cache, v_cache, e, it.h, c, lowest_key(e.first + it.i0, c.window) / kKeys, (e.first + it.i1 + kKeys - 1) / kKeys,
-                        scratch.context, false);
-        ctx = &scratch.context;
-      }
-      attend_item<P>(q, q_row_stride, y, heads * c.d, e, c, it.h, group, it.i0, it.i1, scale, *ctx, scratch);
+      attend_item<P>(q, q_row_stride, y, heads * c.d, k_cache, v_cache, entries[it.entry], c, it.h, group, it.i0, it.i1, scale, scratch);
     }
   });
 }
 
-// q [T, heads, D] float32 (rows of any stride; heads and dimensions contiguous); caches [kv_heads, slots, D];
+// q [T, heads, D] float32 (rows of any stride; heads and dimensions contiguous); caches [kv_heads, slots, D] (kv_cache.h);
 // block_tables [B, max_blocks] int64; entry b's query rows are query_start[b] .. + query_count[b] - 1 of q, at
 // positions first_position[b] onwards, and its context is positions 0 .. first_position[b] + query_count[b] - 1,
 // position p in slot block_tables[b][p / block_size] * block_size + p % block_size. window: a query at p attends
@@ -469,7 +355,7 @@ void attention(const float* q, int64_t q_row_stride, int64_t heads, const T* k_c
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
                            int64_t block_size, const at::Tensor& query_start, const at::Tensor& query_count, const at::Tensor& first_position,
                            int64_t window, double scale) {
-  check_kv_caches(k_cache, v_cache);
+  check_kv_caches(k_cache, v_cache, block_size);
   const int64_t kv_heads = k_cache.size(0), slots = k_cache.size(1), d = k_cache.size(2);
   TORCH_CHECK(d % 8 == 0, "head_dim must be a multiple of 8, got ", d);
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.size(2) == d && q.stride(2) == 1 && q.stride(1) == d && q.size(1) % kv_heads == 0,
@@ -479,7 +365,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   for (const at::Tensor* t : {&query_start, &query_count, &first_position})
     TORCH_CHECK(t->dim() == 1 && t->size(0) == batch && t->scalar_type() == at::kLong && t->is_contiguous(),
                 "query_start, query_count and first_position must be contiguous int64 [B] tensors, B = block_tables' rows");
-  TORCH_CHECK(block_size > 0 && window >= 0, "block_size must be positive and window 0 (none) or positive");
+  TORCH_CHECK(window >= 0, "window must be 0 (none) or positive");
   const int64_t *start = query_start.data_ptr<int64_t>(), *count = query_count.data_ptr<int64_t>(), *first = first_position.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   std::vector<Entry> entries(batch);
@@ -501,15 +387,18 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const Cache c{kv_heads, slots, d, block_size, window};
   const float* qp = q.data_ptr<float>();
   float* y = out.data_ptr<float>();
+  if (k_cache.scalar_type() == at::kBFloat16) {
 #ifdef __AVX512BF16__
-  if (k_cache.scalar_type() == at::kHalf && d % 32 == 0) {
-    attention<Bf16Products>(qp, q.stride(0), heads, k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(), entries, c, static_cast<float>(scale), y);
-    return out;
-  }
+    TORCH_CHECK(d % 16 == 0, "a bfloat16 cache needs head_dim a multiple of 16, got ", d);
+    attention<Bf16Products>(qp, q.stride(0), heads, k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), entries, c, static_cast<float>(scale), y);
+#else
+    TORCH_CHECK(false, "a bfloat16 cache needs a CPU with AVX512-BF16 (tokenloop.kernels.bfloat16_cache_supported)");
 #endif
-  with_cache_data(k_cache, v_cache, [&](const auto* k, const auto* v) {
-    attention<F32Products>(qp, q.stride(0), heads, k, v, entries, c, static_cast<float>(scale), y);
-  });
+  } else if (k_cache.scalar_type() == at::kHalf) {
+    attention<F32Products<at::Half>>(qp, q.stride(0), heads, k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(), entries, c, static_cast<float>(scale), y);
+  } else {
+    attention<F32Products<float>>(qp, q.stride(0), heads, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), entries, c, static_cast<float>(scale), y);
+  }
   return out;
 }
 

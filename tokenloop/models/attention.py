@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenloop import kernels
+from tokenloop.models import kv_layout
 
 
 def gather(t: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
@@ -56,18 +57,17 @@ class KVCacheAttention(nn.Module):
         self.cpu_kernel = False
 
     def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        """The model runner's pools, [num_kv_heads, num_slots, head_dim] each, updated in place. Their dtype may
-        be narrower than the activations' (float16 on the fast path), converted on the way in and out. Attention
-        reads them through tokenloop's CPU kernel where it can run, which gives each query row the same floats
-        whatever else is in the call; elsewhere (a GPU) through SDPA over a gathered copy."""
+        """The model runner's pools, [num_kv_heads, num_slots, head_dim] each in kv_layout's block layout, updated
+        in place. Their dtype may be narrower than the activations' (bfloat16 or float16 on the fast path),
+        converted on the way in and out. Attention reads them through tokenloop's CPU kernel where it can run,
+        which gives each query row the same floats whatever else is in the call; elsewhere (a GPU) through SDPA
+        over a gathered copy."""
         self.k_cache, self.v_cache = k_cache, v_cache
-        self.cpu_kernel = (k_cache.device.type == "cpu" and self.head_dim % 8 == 0 and k_cache.dtype in (torch.float16, torch.float32)
-                           and kernels.cpu_kernels_available())
+        self.cpu_kernel = k_cache.device.type == "cpu" and kernels.attention_kernel_supports(k_cache.dtype, self.head_dim)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q: (T, num_heads, head_dim); k, v: (T, num_kv_heads, head_dim)
-        self.k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(self.k_cache.dtype))
-        self.v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(self.v_cache.dtype))
+        kv_layout.write(self.k_cache, self.v_cache, meta.slot_mapping, k, v, meta.block_size)
         return self.attend(q, meta)
 
     def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -87,13 +87,15 @@ class KVCacheAttention(nn.Module):
         query_index = torch.where(valid, meta.query_start[:, None] + offsets, 0)  # [B, Q]
         q_pos = (meta.first_position[:, None] + offsets)[:, None, :, None]  # [B, 1, Q, 1]
         k_pos = torch.arange(num_k, device=device)
-        key_slots = meta.block_tables[:, k_pos // bs] * bs + k_pos % bs  # [B, K]
         mask = k_pos <= q_pos
         if meta.window is not None:
             mask = mask & (k_pos > q_pos - meta.window)
         mask = mask | (~mask.any(dim=-1, keepdim=True) & (k_pos == 0))  # padding queries keep key 0: no empty softmax row
-        keys = gather(self.k_cache, 1, key_slots).to(q.dtype).transpose(0, 1)  # (B, num_kv_heads, K, head_dim)
-        values = gather(self.v_cache, 1, key_slots).to(q.dtype).transpose(0, 1)
+        kv_heads, slots, d = self.k_cache.shape
+        # The sequences' whole blocks, then their rows: (B, num_kv_heads, K, head_dim).
+        blocks = [gather(c.view(kv_heads, slots // bs, bs * d), 1, meta.block_tables).view(kv_heads, -1, d) for c in (self.k_cache, self.v_cache)]
+        keys, values = (x.view(kv_heads, len(meta.block_tables), -1, d)[:, :, :num_k].to(q.dtype).transpose(0, 1)
+                        for x in kv_layout.rows(*blocks, bs))
         queries = gather(q, 0, query_index).transpose(1, 2)  # (B, num_heads, Q, head_dim)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
         out = out.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)  # (B * Q, hidden)

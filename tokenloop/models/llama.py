@@ -47,7 +47,8 @@ class DecoderAttention(nn.Module):
             cos, sin = rope
             qkv = qkv.contiguous()
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else (None, None, 0.0)
-            torch.ops.tokenloop.rotary_cache_write(qkv, cos.squeeze(1), sin.squeeze(1), self.attn.k_cache, self.attn.v_cache, meta.slot_mapping, num_heads, *norms)
+            torch.ops.tokenloop.rotary_cache_write(qkv, cos.squeeze(1), sin.squeeze(1), self.attn.k_cache, self.attn.v_cache, meta.slot_mapping,
+                                                   meta.block_size, num_heads, *norms)
             return self.o_proj(self.attn.attend(qkv[:, : self.q_size].view(-1, num_heads, self.head_dim), meta))
         if self.q_norm is not None:
             qkv = self.normalize_qk(qkv)
