@@ -29,10 +29,10 @@ from tokenloop.outputs import CompletionOutput, RequestOutput
 from tokenloop.sampling.params import SamplingParams
 from tokenloop.sampling.processors import LogitControls
 from tokenloop.sampling.structured import GrammarCompiler
-from tokenloop.spec.config import SpeculativeConfig
-from tokenloop.spec.draft_model import DraftModelProposer
-from tokenloop.spec.ngram import NgramProposer
-from tokenloop.spec.speculator import Speculator
+from tokenloop.spec_decode.config import SpeculativeConfig
+from tokenloop.spec_decode.draft_model import DraftModelProposer
+from tokenloop.spec_decode.ngram import NgramProposer
+from tokenloop.spec_decode.speculator import Speculator
 from tokenloop.tokenizer.detokenizer import IncrementalDetokenizer
 from tokenloop.tools.calling import ToolCalling
 
@@ -77,7 +77,7 @@ class EngineConfig:
     compile_in_background: bool = True
     threads: int | None = None  # CPU threads for the step (torch.set_num_threads); None = one per idle core (engine/threads.py)
     inject_faults: tuple[str, ...] = ()  # tests only: "STAGE:TOKEN_ID" each (engine/faults.py)
-    # Speculative decoding (spec/): {"method": "ngram" | "draft", "num_speculative_tokens": k, ...}; None = off.
+    # Speculative decoding (spec_decode/): {"method": "ngram" | "draft", "num_speculative_tokens": k, ...}; None = off.
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tokenloop.engine.llm_engine import LLMEngine
 from tokenloop.engine.model_runner import sliding_window_idle_bytes
-from tokenloop.spec.speculator import SpecStats
+from tokenloop.spec_decode.speculator import SpecStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 

@@ -23,7 +23,7 @@ from tokenloop.engine.sequence import Sequence
 from tokenloop.models.attention import AttentionMetadata
 from tokenloop.models.config import ModelConfig
 from tokenloop.sampling.sampler import ProcessorInputs, Sampler, SamplerOutput, SamplingBatch, gather_logprobs
-from tokenloop.spec.rejection_sampler import verify
+from tokenloop.spec_decode.rejection_sampler import verify
 
 
 SCORE_ROWS = 256  # logit rows log-softmaxed at once when scoring a sequence's own tokens
@@ -278,7 +278,7 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> StepSamples:
         """One token per row of `logits`, row i by seqs[i]'s sampling parameters and generator; where a sequence
-        has a draft, its 1 + len(draft) rows are verified (spec/rejection_sampler.py) and it gets 1 or more."""
+        has a draft, its 1 + len(draft) rows are verified (spec_decode/rejection_sampler.py) and it gets 1 or more."""
         if any(s.draft is not None for s in seqs):
             return StepSamples.from_sampler(*verify(logits, seqs, [s.params.logprobs for s in seqs]))
         params = [s.params for s in seqs]

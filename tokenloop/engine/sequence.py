@@ -12,7 +12,7 @@ from tokenloop.sampling.params import SamplingParams
 from tokenloop.sampling.processors import LogitControls
 
 if TYPE_CHECKING:
-    from tokenloop.spec.proposer import Draft
+    from tokenloop.spec_decode.proposer import Draft
 
 
 class SequenceStatus(enum.Enum):

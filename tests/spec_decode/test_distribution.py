@@ -11,7 +11,7 @@ import torch
 
 from tests.helpers import write_tiny_tokenizer
 from tokenloop import LLM, SamplingParams
-from tokenloop.spec import rejection_sampler
+from tokenloop.spec_decode import rejection_sampler
 
 VOCAB = 8
 PROMPT = [2, 3, 4, 5, 2, 3, 4, 5, 2, 3]  # the lookup proposes 4, 5, 2, ... for the first token

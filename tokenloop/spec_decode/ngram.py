@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenloop.engine.sequence import Sequence
-from tokenloop.spec.proposer import Draft, Proposer
+from tokenloop.spec_decode.proposer import Draft, Proposer
 
 
 @dataclass(slots=True)

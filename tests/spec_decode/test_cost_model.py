@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenloop.spec.cost_model import StepCosts, choose_draft_lengths
+from tokenloop.spec_decode.cost_model import StepCosts, choose_draft_lengths
 
 
 def fitted(a: float, b: float, tokens=(1, 2, 5, 9, 1, 3)) -> StepCosts:

@@ -18,7 +18,7 @@ import torch
 
 from tokenloop.engine.sequence import Sequence
 from tokenloop.sampling.processors import apply_processors
-from tokenloop.sampling.sampler import ProcessorInputs, Sampler, SamplerOutput, SamplingBatch, argmax, gather_logprobs, random_sample
+from tokenloop.sampling.sampler import Sampler, SamplerOutput, SamplingBatch, argmax, gather_logprobs, random_sample
 
 
 def draft_length(seq: Sequence) -> int:

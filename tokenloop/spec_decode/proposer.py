@@ -1,6 +1,6 @@
 """The proposer interface: something cheap guesses each sequence's next tokens; the target model verifies them.
 
-The verifier (spec/rejection_sampler.py) does not know which proposer ran: it sees draft tokens and, where the
+The verifier (spec_decode/rejection_sampler.py) does not know which proposer ran: it sees draft tokens and, where the
 proposer sampled them, the distribution q it sampled from (none: q is one-hot on the draft, as for n-gram lookup).
 """
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenloop.engine.sequence import Sequence
-from tokenloop.spec.cost_model import StepCosts
+from tokenloop.spec_decode.cost_model import StepCosts
 
 
 @dataclass(slots=True)

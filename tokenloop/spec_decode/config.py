@@ -12,7 +12,7 @@ MAX_SPECULATIVE_TOKENS = 16
 @dataclass(slots=True)
 class SpeculativeConfig:
     method: str  # "ngram" (prompt lookup) or "draft" (a smaller or cheaper model with the same vocabulary)
-    # The most draft tokens per sequence and step; the cost model (spec/cost_model.py) chooses at most this many.
+    # The most draft tokens per sequence and step; the cost model (spec_decode/cost_model.py) chooses at most this many.
     num_speculative_tokens: int = 4
     # False: every sequence drafts num_speculative_tokens each step (vLLM's rule), never fewer for cost.
     adaptive: bool = True

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from tokenloop.spec.ngram import NgramIndex
+from tokenloop.spec_decode.ngram import NgramIndex
 
 
 def rescan(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:

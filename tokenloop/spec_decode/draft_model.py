@@ -23,8 +23,8 @@ from tokenloop.engine.scheduler import ScheduledBatch
 from tokenloop.engine.sequence import Sequence
 from tokenloop.models.loader import load_model
 from tokenloop.sampling.sampler import Sampler, SamplingBatch, argmax, random_sample
-from tokenloop.spec.cost_model import StepCosts
-from tokenloop.spec.proposer import Draft, Proposer
+from tokenloop.spec_decode.cost_model import StepCosts
+from tokenloop.spec_decode.proposer import Draft, Proposer
 
 
 class DraftModelProposer(Proposer):

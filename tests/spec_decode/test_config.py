@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.spec.test_distribution import small_vocab_model
+from tests.spec_decode.test_distribution import small_vocab_model
 from tokenloop import LLM
-from tokenloop.spec.config import SpeculativeConfig
+from tokenloop.spec_decode.config import SpeculativeConfig
 
 
 @pytest.mark.parametrize("config, message", [

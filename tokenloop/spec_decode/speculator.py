@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from tokenloop.engine.block_manager import BlockManager
 from tokenloop.engine.scheduler import ScheduledBatch
 from tokenloop.engine.sequence import Sequence
-from tokenloop.spec.config import SpeculativeConfig
-from tokenloop.spec.cost_model import StepCosts, choose_draft_lengths
-from tokenloop.spec.proposer import Draft, Proposer
+from tokenloop.spec_decode.config import SpeculativeConfig
+from tokenloop.spec_decode.cost_model import StepCosts, choose_draft_lengths
+from tokenloop.spec_decode.proposer import Draft, Proposer
 
 PRIOR_WEIGHT = 1.0  # a request's acceptance rate starts from the proposer's mean as if seen over this many drafts
 INITIAL_ACCEPTANCE = 0.5  # the proposer's mean before any draft was verified
