@@ -202,7 +202,7 @@ def cmd_serve(args) -> int:
     limits = AsyncEngineConfig(max_waiting=args.max_waiting, unread_timeout_s=args.unread_timeout, stall_timeout_s=args.stall_timeout)
     config = ServerConfig(
         args.served_model_name or args.model or store.DEFAULT_MODEL, args.host, args.port, args.api_key,
-        max_n=args.max_n, shutdown_timeout=args.shutdown_timeout, limits=limits,
+        max_n=args.max_n, max_body_mb=args.max_body_mb, shutdown_timeout=args.shutdown_timeout, limits=limits,
     )
     serve(engine_config, config)
     return 0
@@ -282,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-n", type=int, default=128, help="largest n (and best_of) a request may ask for")
+    p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body in MiB; beyond it a 413 (default 8)")
     p.add_argument("--max-waiting", type=int, default=256, help="requests waiting for their first token; beyond it a 429")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds running requests may go on after SIGTERM")
     p.add_argument("--unread-timeout", type=float, default=300.0, help="seconds a request paused for a slow reader may wait")

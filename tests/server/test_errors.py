@@ -118,6 +118,22 @@ def test_unknown_model_is_a_404(http, client):
         client.completions.create(model="no-such-model", prompt="Hi", max_tokens=2)
 
 
+def test_a_body_over_the_limit_is_a_413_unread_and_the_server_goes_on(server):
+    """The default limit is 8 MiB: a 9 MiB prompt declared by Content-Length is refused before its body is read, one
+    sent in chunks (no length) as it crosses the limit; a 7 MiB body is read and judged (its prompt is too long)."""
+    big = b'{"prompt": "' + b"a" * (9 * 2**20) + b'"}'
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        assert_openai_error(http.post("/v1/completions", content=big, headers={"Content-Type": "application/json"}), 413)
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        chunks = (big[i : i + 2**16] for i in range(0, len(big), 2**16))
+        error = assert_openai_error(http.post("/v1/completions", content=chunks, headers={"Content-Type": "application/json"}), 413)
+        assert "--max-body-mb" in error["message"]
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        fits = b'{"prompt": "' + b"a " * (7 * 2**19) + b'", "max_tokens": 1}'
+        assert_openai_error(http.post("/v1/completions", content=fits, headers={"Content-Type": "application/json"}), 400, "prompt")
+        assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
 def test_unknown_route_is_a_404_in_the_openai_error_shape(http):
     assert_openai_error(http.get("/v1/no-such-route"), 404)
 

@@ -98,3 +98,27 @@ def test_health_is_503_within_5_s_of_a_stuck_step_loop_and_200_after(faulty_serv
             thread.join(30)
         assert done["r"].status_code == 200  # the stalled request itself completes once the loop moves again
         assert http.get("/health").status_code == 200
+
+
+def test_a_dead_step_loop_ends_every_stream_says_503_and_exits_non_zero(long_context_model_folder, tmp_path):
+    """A step thread that dies (injected: an exception no `except Exception` stops) must not leave streams hanging:
+    the running stream gets an error event and [DONE], /health answers 503, and the process exits with status 1 so
+    that a supervisor restarts it."""
+    die = 395
+    s = start_server(long_context_model_folder, tmp_path / "server.log", "--kv-cache-gb", "0.01", "--inject-fault", f"die:{die}")
+    try:
+        with s.http() as http, s.http() as other:
+            body = {"prompt": [5, 6, 7], "max_tokens": 2000, "stream": True, "ignore_eos": True}
+            with other.stream("POST", "/v1/completions", json=body) as running:
+                lines = running.iter_lines()
+                assert next(line for line in lines if line.startswith("data: "))  # the stream is running
+                killer = http.post("/v1/completions", json={"prompt": [5, die], "max_tokens": 2})
+                events = [line[6:] for line in lines if line.startswith("data: ")]
+            assert killer.status_code == 500 and "step loop died" in killer.json()["error"]["message"]
+            assert events[-1] == "[DONE]" and "step loop died" in json.loads(events[-2])["error"]["message"]
+            assert http.get("/health").status_code == 503
+        assert s.process.wait(timeout=30) == 1
+        assert "exiting with status 1" in s.log.read_text()
+    finally:
+        if s.process.poll() is None:
+            s.process.kill()

@@ -7,6 +7,10 @@ What one request can cost the others is bounded here: requests waiting for their
 (`max_waiting`), a stream holds one output however far its reader lags (outputs are cumulative, so the newest
 replaces the older), and a request whose reader has not taken `max_unread_outputs` outputs is paused (out of
 the batch, its KV blocks kept) until the reader catches up, or aborted after `unread_timeout_s`.
+
+If the step thread itself dies (a bug outside any one request's step), every open stream ends with an error,
+new requests are refused, `healthy()` turns false and `on_death` is called, so that the server can exit for a
+supervisor to restart it: nothing waits forever on a loop that is gone.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from tokenloop.engine.llm_engine import EngineConfig, LLMEngine, Prompt
@@ -76,9 +80,12 @@ class AsyncEngine:
     and are woken for each of the hundreds a step makes: with the model loaded on the main thread and stepped on
     another, a step of 32 sequences took half as long again."""
 
-    def __init__(self, engine_config: EngineConfig, metrics: EngineMetrics | None = None, config: AsyncEngineConfig | None = None) -> None:
+    def __init__(self, engine_config: EngineConfig, metrics: EngineMetrics | None = None, config: AsyncEngineConfig | None = None,
+                 on_death: Callable[[BaseException], None] | None = None) -> None:
         self.metrics = metrics or EngineMetrics()
         self.config = config or AsyncEngineConfig()
+        self.on_death = on_death  # called on the step thread if it dies
+        self.death: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wakeup = threading.Event()
@@ -100,7 +107,8 @@ class AsyncEngine:
 
     def healthy(self) -> bool:
         """The step loop is alive and has not been stuck in one step (or command) for stall_timeout_s."""
-        return self._thread.is_alive() and time.monotonic() - self._heartbeat < self.config.stall_timeout_s
+        alive = self.death is None and self._thread.is_alive()
+        return alive and time.monotonic() - self._heartbeat < self.config.stall_timeout_s
 
     def shutdown(self) -> None:
         self._stopping = True
@@ -109,6 +117,8 @@ class AsyncEngine:
 
     def admit(self, num_requests: int) -> None:
         """Raise EngineDraining or EngineBusy unless `num_requests` more requests may wait."""
+        if self.death is not None:
+            raise EngineDraining(f"the engine's step loop died ({self.death!r}); the server is exiting")
         if self.draining:
             raise EngineDraining("the server is shutting down")
         if self.num_waiting + num_requests > self.config.max_waiting:
@@ -129,6 +139,8 @@ class AsyncEngine:
         self._streams[request_id] = stream
         self.num_waiting += 1
         self._command("add", request_id, tokenized, params)
+        if self.death is not None:  # died before this stream was there to be told
+            self._put(request_id, stream, self._death_error())
         finished = False
         try:
             while not finished:
@@ -182,6 +194,22 @@ class AsyncEngine:
             built.put(e)
             return
         built.put(None)
+        try:
+            self._loop(engine)
+        except BaseException as e:
+            self._died(e)
+
+    def _death_error(self) -> RequestFailed:
+        return RequestFailed(f"the engine's step loop died ({self.death!r}); the server is exiting")
+
+    def _died(self, e: BaseException) -> None:
+        logger.critical("the engine's step loop died", exc_info=e)
+        self.death = e
+        self._deliver_all([(request_id, self._death_error()) for request_id in list(self._streams)])
+        if self.on_death is not None:
+            self.on_death(e)
+
+    def _loop(self, engine: LLMEngine) -> None:
         while not self._stopping:
             self._heartbeat = time.monotonic()
             self._apply_commands()

@@ -12,12 +12,16 @@ from dataclasses import dataclass
 from tokenloop.engine.sequence import Sequence
 
 # Where LLMEngine.step calls check(): building the step's tensors, sampling, turning tokens into text;
-# "stall" sleeps inside the request's first step instead of raising.
-STAGES = ("prepare", "sample", "detokenize", "stall")
+# "stall" sleeps inside the request's first step instead of raising; "die" ends the step thread.
+STAGES = ("prepare", "sample", "detokenize", "stall", "die")
 
 
 class InjectedFault(RuntimeError):
     pass
+
+
+class StepThreadKilled(BaseException):
+    """Injected: escapes every `except Exception`, as a bug in the step loop itself would, and ends the step thread."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -45,4 +49,6 @@ class FaultInjection:
             if seq.num_computed_tokens == 0:  # once per request: its first step
                 time.sleep(self.stall_s)
             return
+        if stage == "die":
+            raise StepThreadKilled(f"injected: the step thread dies in {seq.seq_id}'s step")
         raise InjectedFault(f"injected fault in {stage} of {seq.seq_id}")

@@ -375,6 +375,7 @@ class LLMEngine:
         dropped from the step, the others run."""
         try:
             self._inject("stall", batch.seqs)
+            self._inject("die", batch.seqs)
             self._inject("prepare", batch.seqs)
             return self.runner.prepare(batch), batch
         except Exception:

@@ -18,6 +18,7 @@ from tokenloop.engine.async_engine import AsyncEngine, RequestFailed
 from tokenloop.engine.beam_search import BeamSearchParams
 from tokenloop.outputs import CompletionOutput, RequestOutput
 from tokenloop.sampling.params import SamplingParams
+from tokenloop.server.body_limit import DEFAULT_MAX_BODY_MB, LimitBody
 from tokenloop.server.errors import ERROR_RESPONSES, APIError, CatchAll, error_body, error_response, install_error_handlers, param_of
 from tokenloop.server.protocol import ChatCompletionRequest, CompletionRequest
 from tokenloop.strategies.self_consistency import AnswerSpec, VoteCounter
@@ -54,13 +55,15 @@ class _RequireAPIKey:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, max_n: int = DEFAULT_MAX_N) -> FastAPI:
+def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, max_n: int = DEFAULT_MAX_N,
+              max_body_mb: float = DEFAULT_MAX_BODY_MB) -> FastAPI:
     app = FastAPI(title="tokenloop", docs_url=None, redoc_url=None)
     max_model_len = engine.engine.max_model_len
     install_error_handlers(app)
     if api_key is not None:
         app.add_middleware(_RequireAPIKey, api_key=api_key)
-    app.add_middleware(CatchAll)  # added last: outermost, it also covers the key check
+    app.add_middleware(LimitBody, max_bytes=int(max_body_mb * 2**20))
+    app.add_middleware(CatchAll)  # added last: outermost, it also covers the key check and the body limit
     context = (max_model_len - 1, f"the context is {max_model_len} tokens, the prompt at least one")
     bounds = {"n": (max_n, "the server's --max-n"), "best_of": (max_n, "the server's --max-n"), "max_tokens": context, "max_completion_tokens": context}
     app.openapi = lambda: _openapi(app, {name: bound for name, (bound, _) in bounds.items()}, max_model_len, engine.engine.model_config.vocab_size)

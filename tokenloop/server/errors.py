@@ -1,5 +1,6 @@
 """Errors in OpenAI's shape, for every way a request can fail: bad input (400), key (401), route or model (404),
-method (405, with Allow), too many waiting (429, with Retry-After), shutting down or stalled (503), and a bug (500)."""
+method (405, with Allow), a body over the limit (413), too many waiting (429, with Retry-After), shutting down or
+stalled (503), and a bug (500)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 _ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
-    429: "rate_limit_error", 500: "internal_server_error", 503: "service_unavailable",
+    413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_server_error", 503: "service_unavailable",
 }
 RETRY_AFTER_S = 1
 

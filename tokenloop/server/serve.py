@@ -3,6 +3,9 @@
 SIGTERM (or Ctrl-C) drains: the listening socket closes at once and new requests on open connections get a
 503; running requests go on for up to `shutdown_timeout` seconds; then each one still running ends with a last
 chunk (finish_reason "abort") and `[DONE]`, and the process exits with status 0.
+
+If the engine's step loop dies, every open stream ends with an error event, `/health` answers 503 for FLUSH_S
+seconds, and the process exits with status 1, for a supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import threading
 from dataclasses import dataclass, field
 
 import uvicorn
@@ -17,6 +21,7 @@ import uvicorn
 from tokenloop.engine.async_engine import AsyncEngine, AsyncEngineConfig
 from tokenloop.engine.llm_engine import EngineConfig
 from tokenloop.server.app import DEFAULT_MAX_N, build_app
+from tokenloop.server.body_limit import DEFAULT_MAX_BODY_MB
 
 logger = logging.getLogger(__name__)
 FLUSH_S = 2.0  # after the aborts, for the last chunks to reach their clients
@@ -30,12 +35,15 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     max_n: int = DEFAULT_MAX_N  # bound on n and best_of
+    max_body_mb: float = DEFAULT_MAX_BODY_MB  # bound on a request's body; past it, a 413
     shutdown_timeout: float = 30.0  # seconds running requests may go on after SIGTERM
     limits: AsyncEngineConfig = field(default_factory=AsyncEngineConfig)
 
     def __post_init__(self) -> None:
         if self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
+        if not self.max_body_mb > 0:
+            raise ValueError(f"max_body_mb must be > 0, got {self.max_body_mb}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
 
@@ -62,6 +70,10 @@ class _DrainingServer(uvicorn.Server):
         finally:
             abort.cancel()
 
+    def engine_died(self, error: BaseException) -> None:
+        """On the step thread: exit after FLUSH_S (the streams' error events sent, /health saying 503 meanwhile)."""
+        threading.Timer(FLUSH_S, setattr, (self, "should_exit", True)).start()
+
     def _abort_remaining(self) -> None:
         if self.engine.num_in_flight:
             logger.warning("shutdown timeout: ending %d requests with finish_reason 'abort'", self.engine.num_in_flight)
@@ -71,7 +83,7 @@ class _DrainingServer(uvicorn.Server):
 def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = AsyncEngine(engine_config, config=config.limits)
-    app = build_app(engine, config.model_name, config.api_key, config.max_n)
+    app = build_app(engine, config.model_name, config.api_key, config.max_n, config.max_body_mb)
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level="info",
         timeout_graceful_shutdown=config.shutdown_timeout + FLUSH_S,
@@ -84,7 +96,12 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     # headers, the next stream chunk) waited for the client's delayed ACK: 40 ms on every request (/health took
     # 40 ms; 0.4 ms with this).
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    server = _DrainingServer(uv_config, engine, config.shutdown_timeout)
+    engine.on_death = server.engine_died
     try:
-        _DrainingServer(uv_config, engine, config.shutdown_timeout).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()
+    if engine.death is not None:
+        logger.critical("exiting with status 1: the engine's step loop died (%r)", engine.death)
+        raise SystemExit(1)
