@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from tokenloop import LLM, SamplingParams
+from tokenloop.engine.output_processor import DEAD_END
 from tokenloop.sampling.structured import StructuredOutputsParams
 
 REGEX = r"[0-9]{2}-[a-c]{2,4}"
 
 
-def constrained(**spec) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(**spec))
+def constrained(bans: dict | None = None, **spec) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(**spec), **(bans or {}))
 
 
 def test_outputs_match_the_grammar_and_end(tiny_llm):
@@ -58,8 +59,24 @@ def test_structured_outputs_params_take_exactly_one_valid_spec(kwargs):
         StructuredOutputsParams(**kwargs)
 
 
-@pytest.mark.parametrize("ban", [{"allowed_token_ids": [5]}, {"min_tokens": 3}, {"bad_words": ["x"]}])
-def test_structured_outputs_with_a_token_ban_is_an_error(ban):
-    # (a ban can leave a row no token the grammar allows: EOS under min_tokens once the grammar is complete)
-    with pytest.raises(ValueError, match="structured_outputs cannot be combined"):
-        SamplingParams(structured_outputs=StructuredOutputsParams(regex="a"), **ban)
+def test_token_bans_intersect_the_grammar(tiny_llm):
+    """A ban removes tokens from the grammar's allowed set, step by step: of "xyz" and "uvw", allowing no token
+    with an "x" leaves "uvw"; of "x" and "y" (one token each, one way to spell them), the bad word "x" leaves "y"."""
+    tokenizer = tiny_llm.get_tokenizer()
+    no_x = [t for t in range(tiny_llm.llm_engine.model_config.vocab_size) if "x" not in tokenizer.decode([t])]
+    for ban, choice, left in (({"allowed_token_ids": no_x}, ["xyz", "uvw"], "uvw"), ({"bad_words": ["x"]}, ["x", "y"], "y")):
+        out = tiny_llm.generate("Hello", constrained(ban, choice=choice), use_tqdm=False)[0].outputs[0]
+        assert (out.text, out.finish_reason, out.stop_reason) == (left, "stop", None), ban
+
+
+@pytest.mark.parametrize("ban", ["allowed_token_ids", "min_tokens"])
+def test_a_grammar_the_bans_leave_no_token_ends_the_request_saying_so(tiny_llm, ban):
+    """Where nothing is left (the grammar needs a banned token, or is complete while min_tokens bans EOS), the
+    request ends there with finish_reason "stop" and a stop_reason that says why, never a token outside both."""
+    tokenizer = tiny_llm.get_tokenizer()
+    only = tokenizer.encode("banana")[0]
+    params = {"allowed_token_ids": [only]} if ban == "allowed_token_ids" else {"min_tokens": 10}
+    out = tiny_llm.generate("Hello", constrained(params, choice=["apple"]), use_tqdm=False)[0].outputs[0]
+    assert out.text == ("" if ban == "allowed_token_ids" else "apple")
+    assert out.finish_reason == "stop" and out.stop_reason == DEAD_END
+    assert not tiny_llm.llm_engine.has_unfinished_requests()

@@ -3,7 +3,7 @@ operation): no 5xx, and no response that contradicts the schema.
 
 Some rules are beyond JSON Schema, which bounds each field alone: the prompt's tokens plus max_tokens must fit the
 context, best_of must be at least n, min_tokens at most max_tokens, logit_bias's keys (strings) must be token ids
-of the vocabulary, and a structured-output spec must be one llguidance compiles (and not come with token bans). A 400 saying one of these is the one rejection of schema-valid data accepted here; every
+of the vocabulary, and a structured-output spec must be one llguidance compiles. A 400 saying one of these is the one rejection of schema-valid data accepted here; every
 other finding fails."""
 
 from __future__ import annotations
@@ -21,13 +21,12 @@ pytest.importorskip("schemathesis")
 # and the grammar compiler's verdict on a spec's content: a JSON schema it cannot honour, a bad regex or Lark grammar
 CROSS_FIELD_RULES = ("beyond the context length", "best_of must be at least n", "must not exceed max_tokens", "logit_bias has token ids out of the vocabulary",
                      "structured_outputs.json: ", "structured_outputs.regex: ", "structured_outputs.grammar: ",
-                     "structured_outputs cannot be combined with",
                      # tools: what a schema cannot say (tool_choice naming one of the tools, unique names, a
                      # parameters schema llguidance can compile); and the prompt the tools' listing makes
-                     "needs tools", "which is not among the tools", "function names must be unique", "tools constrain the reply already",
+                     "which is not among the tools", "function names must be unique", "tools constrain the reply already",
                      ".function.parameters: ", "no room for one more within",
                      # beam search and self-consistency take only their own fields
-                     "only with use_beam_search", "not supported with use_beam_search", "not supported with self_consistency",
+                     "not supported with use_beam_search", "not supported with self_consistency",
                      "self_consistency: ", "self_consistency.answer", "self_consistency takes one prompt")
 
 

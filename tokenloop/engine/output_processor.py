@@ -13,6 +13,10 @@ from tokenloop.tokenizer.detokenizer import IncrementalDetokenizer
 from tokenloop.tokenizer.tokenizer import Tokenizer
 
 
+# stop_reason of a structured request whose grammar the token bans left no token to choose.
+DEAD_END = "no token left: the grammar allows only banned tokens (bad_words, allowed_token_ids or min_tokens)"
+
+
 @dataclass(slots=True)
 class CompletionState:
     """One of a request's n completions: its sequence and the text and logprobs built so far."""
@@ -58,13 +62,16 @@ class OutputProcessor:
         """Add the token sampled at `row` to a completion; marks it finished when a stop condition holds."""
         seq, params = state.seq, state.seq.params
         token = samples.token_ids[row]
+        dead_end = seq.controls is not None and len(seq.token_ids) in seq.controls.dead_ends
         seq.token_ids.append(token)
         if samples.logprobs is not None and params.logprobs is not None:
             state.cumulative_logprob += samples.logprobs[row][0]
             state.logprobs = state.logprobs if state.logprobs is not None else []
             state.logprobs.append(self._logprob_dict(samples, row, params.logprobs))
         stop_string = state.detokenizer.update([token])
-        if stop_string is not None:
+        if dead_end:  # the grammar allowed only tokens that bad_words, allowed_token_ids or min_tokens ban
+            seq.finish_reason, seq.stop_reason = "stop", DEAD_END
+        elif stop_string is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop_string
         elif token in self.eos_token_ids and not params.ignore_eos:
             seq.finish_reason = "stop"

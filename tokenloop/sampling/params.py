@@ -98,10 +98,6 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
-        if self.structured_outputs is not None and (self.allowed_token_ids is not None or self.min_tokens or self.bad_words):
-            # Each bans tokens the grammar may need (min_tokens: EOS once the grammar is complete): together they
-            # can leave a row no token at all.
-            raise ValueError("structured_outputs cannot be combined with allowed_token_ids, min_tokens or bad_words")
         if not _is_int(self.no_repeat_ngram_size) or self.no_repeat_ngram_size < 0:
             raise ValueError(f"no_repeat_ngram_size must be an integer >= 0, got {self.no_repeat_ngram_size!r}")
 

@@ -65,6 +65,9 @@ class LogitControls:
     bad_words_ids: list[list[int]]  # token sequences, from params.bad_words (both spacings)
     min_tokens_stop_ids: list[int]  # banned while the output is shorter than params.min_tokens
     grammar: GrammarMatcher | None = None  # params.structured_outputs' matcher
+    eos_token_id: int | None = None  # what a row whose grammar the bans left no token must choose
+    # Positions (the row's token count) whose row had no token left this step: the request ends there, saying why.
+    dead_ends: set[int] = field(default_factory=set)
 
     @classmethod
     def for_request(
@@ -80,7 +83,8 @@ class LogitControls:
                 if ids and ids not in bad_words_ids:
                     bad_words_ids.append(ids)
         stop_ids = sorted(set(params.stop_token_ids) | set(eos_token_ids))
-        return cls(TokenHistory(num_prompt_tokens, params.no_repeat_ngram_size), bad_words_ids, stop_ids, grammar)
+        eos = min(eos_token_ids) if eos_token_ids else None
+        return cls(TokenHistory(num_prompt_tokens, params.no_repeat_ngram_size), bad_words_ids, stop_ids, grammar, eos)
 
 
 def _ban(logits: torch.Tensor, rows: list[int], ids: list[int]) -> None:
@@ -153,5 +157,11 @@ def apply_processors(logits: torch.Tensor, params: list[SamplingParams], token_i
     grammar_rows = [i for i in rows if controls[i].grammar is not None]
     for i in grammar_rows:
         controls[i].grammar.sync(token_ids[i][controls[i].history.num_prompt_tokens :])
+        controls[i].dead_ends.clear()
     apply_grammar_masks(out, grammar_rows, [controls[i].grammar.allowed() for i in grammar_rows])
+    if grammar_rows:  # the grammar's tokens and the bans intersected: where nothing is left, the request ends
+        empty = torch.isneginf(out[torch.tensor(grammar_rows, device=device)]).all(dim=1).tolist()
+        for i in (i for i, none_left in zip(grammar_rows, empty) if none_left and controls[i].eos_token_id is not None):
+            controls[i].dead_ends.add(len(token_ids[i]))
+            out[i, controls[i].eos_token_id] = 0.0
     return out

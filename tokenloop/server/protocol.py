@@ -217,6 +217,9 @@ class _SamplingRequest(_Request):
 class CompletionRequest(_SamplingRequest):
     model_config = ConfigDict(json_schema_extra={
         "examples": [{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}],
+        # length_penalty and early_stopping other than their defaults only with use_beam_search
+        "if": {"not": {"required": ["use_beam_search"], "properties": {"use_beam_search": {"const": True}}}},
+        "then": {"properties": {"length_penalty": {"const": 1.0}, "early_stopping": {"const": False}}},
     })
 
     prompt: NonEmptyText | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[NonEmptyText | Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
@@ -234,8 +237,8 @@ class CompletionRequest(_SamplingRequest):
 
     def beam_search_params(self) -> BeamSearchParams | None:
         if not self.use_beam_search:
-            for name in ("length_penalty", "early_stopping"):
-                if name in self.model_fields_set:
+            for name in ("length_penalty", "early_stopping"):  # their defaults change nothing: accepted
+                if getattr(self, name) != type(self).model_fields[name].default:
                     raise ValueError(f"{name}: only with use_beam_search")
             return None
         for name in sorted(self.model_fields_set - self._BEAM_FIELDS):
@@ -301,6 +304,9 @@ class ChatCompletionRequest(_SamplingRequest):
         "examples": [{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16, "temperature": 0}],
         # top_logprobs only with logprobs: true
         "not": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}, "logprobs": {"const": False}}},
+        # tool_choice "required" or a named function needs tools
+        "if": {"required": ["tool_choice"], "properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}}},
+        "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}},
     })
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
