@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from tokenloop.bench import offline as offline_bench
-from tokenloop.bench import serve as serve_bench
+from tokenloop.bench import serve_peers as serve_bench
 from tokenloop.models import store
 
 

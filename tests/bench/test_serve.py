@@ -18,17 +18,16 @@ import pytest
 
 pytest.importorskip("httpx")
 
+from tokenloop.bench.common import DEFAULT_PROMPT  # noqa: E402
 from tokenloop.bench.serve import (  # noqa: E402
-    DEFAULT_PROMPT,
     RequestRecord,
     ServeBenchConfig,
     ServeBenchResult,
-    add_arguments,
     format_report,
-    main_from_args,
     percentile,
     run_serve_bench,
 )
+from tokenloop.bench.serve_peers import add_arguments, main_from_args  # noqa: E402
 
 
 @dataclass(slots=True)

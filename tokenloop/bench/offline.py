@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from tokenloop.bench.serve import DEFAULT_PROMPT
+from tokenloop.bench import record
+from tokenloop.bench.common import DEFAULT_PROMPT, build_compiled_package
 
 # llama-bench: llama.cpp's own C++ (the peer ratios are claimed against); llama-cpp-python: its Python binding,
 # about 16% slower, a reference row.
@@ -171,14 +172,6 @@ def _bench_transformers(cfg: BenchConfig) -> EngineResult:
     return EngineResult("transformers", (cfg.decode_tokens - 1) / decode_s, cfg.prefill_tokens / ttft, ttft * 1e3, weight_bytes=weight_bytes)
 
 
-def build_compiled_package(model: str, dtype: str) -> None:
-    """Start tokenloop once with `compile`, in a process of its own, waiting for the compiler, so that the
-    decode package is in the cache before a measured run: every later start loads it, and that is what the
-    tables measure (the package serves any thread count)."""
-    script = f"from tokenloop import LLM; LLM({model!r}, dtype={dtype!r}, compile=True, compile_in_background=False)"
-    subprocess.run([sys.executable, "-c", script], check=True)
-
-
 def run_engine(engine: str, cfg: BenchConfig) -> EngineResult:
     """Run one engine in a fresh subprocess; its peak RSS is read there."""
     cmd = [sys.executable, "-m", "tokenloop.bench.offline", engine, json.dumps(asdict(cfg))]
@@ -270,6 +263,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative", action="store_true",
                         help="speculative decoding (n-gram lookup, 4-bit draft for float32) against tokenloop's own decode without it")
     parser.add_argument("--llama-cpp-bin", default=None, help="a folder with llama.cpp's llama-bench and llama-server (default: built once into $TOKENLOOP_HOME/peers)")
+    record.add_argument(parser)
 
 
 def main_from_args(args: argparse.Namespace) -> int:
@@ -280,7 +274,11 @@ def main_from_args(args: argparse.Namespace) -> int:
     if args.speculative:
         from tokenloop.bench import speculative
 
-        return speculative.main(str(resolve(args.model)), args.decode_tokens, args.repeats)
+        table = speculative.report(str(resolve(args.model)), args.decode_tokens, args.repeats)
+        print(table)
+        if args.record:
+            record.save("speculative", table)
+        return 0
     cfg = BenchConfig(
         str(resolve(args.model)), args.dtype, args.compile, args.threads, args.decode_tokens, args.prefill_tokens,
         repeats=args.repeats, llama_cpp_bin=args.llama_cpp_bin,
@@ -291,7 +289,10 @@ def main_from_args(args: argparse.Namespace) -> int:
     results = best_of_rounds([(e, cfg) for e in engines], cfg.repeats)
     if args.busy_core:
         add_busy_core_decode(results, cfg)
-    print(format_table(results, cfg, memory_bandwidth_gbs()))
+    table = format_table(results, cfg, memory_bandwidth_gbs())
+    print(table)
+    if args.record:
+        record.save("offline", table)
     return 0
 
 

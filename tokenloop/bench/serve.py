@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import json
 import time
 from collections import Counter
@@ -14,14 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-# 91 prompt tokens with SmolLM2's tokenizer; fixed so that runs and servers compare like for like.
-DEFAULT_PROMPT = (
-    "The old lighthouse keeper climbed the spiral stairs every evening, counting each of the one hundred and "
-    "twelve steps as his father had taught him. At the top he trimmed the wick, polished the great lens and "
-    "watched the grey sea turn to silver under the rising moon. Ships rarely passed anymore, yet he kept the "
-    "light burning through every storm. One winter night, a small boat appeared on the horizon, drifting "
-    "without sails toward the rocks. He grabbed his lantern and"
-)
+from tokenloop.bench.common import DEFAULT_PROMPT
+
 ENDPOINTS = {"completions": "/completions", "chat": "/chat/completions"}
 
 
@@ -269,29 +262,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="completions")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--timeout", type=float, default=600, help="time budget for the whole run, in seconds")
-    peers = parser.add_argument_group("peers: start tokenloop's server and each peer in turn on the same GGUF (--base-url is then unused)")
-    peers.add_argument("--peer", default=None, help="comma-separated: llama-server (llama.cpp's C++, -np = concurrency), llama-cpp-python")
-    peers.add_argument("--gguf", default=None, help="the model file the servers load (default: the default model)")
-    peers.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads of every server")
-    peers.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="tokenloop's compiled decode step")
-    peers.add_argument("--llama-cpp-bin", default=None, help="a folder with llama-server (default: built once into $TOKENLOOP_HOME/peers)")
 
 
-def main_from_args(args: argparse.Namespace) -> int:
-    """Run the benchmark and print its report; exit status 1 when any request failed."""
+def run_from_args(args: argparse.Namespace) -> tuple[str, bool]:
+    """Run the benchmark against the server at --base-url: its report, and whether every request succeeded."""
     import httpx
 
-    if args.peer:
-        from tokenloop.bench.serve_peers import compare
-        from tokenloop.models.store import resolve
-
-        gguf = str(resolve(args.gguf))
-        bench = ServeBenchConfig(
-            base_url="http://127.0.0.1:8000/v1", model=args.model or gguf, num_requests=args.num_requests, concurrency=args.concurrency,
-            max_tokens=args.max_tokens, endpoint=args.endpoint, timeout_s=args.timeout,
-        )
-        print(compare(gguf, args.peer.split(","), bench, args.threads, args.compile, args.llama_cpp_bin))
-        return 0
     model = args.model
     if model is None:
         try:
@@ -303,5 +279,4 @@ def main_from_args(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, endpoint=args.endpoint, api_key=args.api_key, timeout_s=args.timeout,
     )
     result = asyncio.run(run_serve_bench(config))
-    print(format_report(result, f"{model} @ {config.base_url}"))
-    return 0 if result.num_failed == 0 else 1
+    return format_report(result, f"{model} @ {config.base_url}"), result.num_failed == 0

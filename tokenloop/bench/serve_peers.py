@@ -8,6 +8,7 @@ llama-cpp-python server is a reference row (its binding, one request at a time).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import os
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from tokenloop.bench import record, serve
+from tokenloop.bench.common import build_compiled_package
 from tokenloop.bench.serve import ServeBenchConfig, ServeBenchResult, format_report, percentile, run_serve_bench
 
 PEERS = ("llama-server", "llama-cpp-python")
@@ -70,8 +73,6 @@ def _run(label: str, cmd: list[str], port: int, health: str, bench: ServeBenchCo
 
 def compare(model: str, peers: list[str], bench: ServeBenchConfig, threads: int, compile: bool, llama_cpp_bin: str | None) -> str:
     """Serve `model` with tokenloop, then with each peer, under the same load; the reports and the ratios."""
-    from tokenloop.bench.offline import build_compiled_package
-
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
         raise ValueError(f"--peer must be among {', '.join(PEERS)}, got {', '.join(unknown)}")
@@ -104,3 +105,34 @@ def compare(model: str, peers: list[str], bench: ServeBenchConfig, threads: int,
         )
     lines.append(f"measured {time.strftime('%Y-%m-%d %H:%M')} on {os.cpu_count()} CPUs, one server at a time")
     return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    serve.add_arguments(parser)
+    peers = parser.add_argument_group("peers: start tokenloop's server and each peer in turn on the same GGUF (--base-url is then unused)")
+    peers.add_argument("--peer", default=None, help="comma-separated: llama-server (llama.cpp's C++, -np = concurrency), llama-cpp-python")
+    peers.add_argument("--gguf", default=None, help="the model file the servers load (default: the default model)")
+    peers.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads of every server")
+    peers.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="tokenloop's compiled decode step")
+    peers.add_argument("--llama-cpp-bin", default=None, help="a folder with llama-server (default: built once into $TOKENLOOP_HOME/peers)")
+    record.add_argument(parser)
+
+
+def main_from_args(args: argparse.Namespace) -> int:
+    """Run the benchmark (against --base-url, or tokenloop and its --peer servers) and print its report; exit
+    status 1 when any request failed."""
+    if args.peer:
+        from tokenloop.models.store import resolve
+
+        gguf = str(resolve(args.gguf))
+        bench = ServeBenchConfig(
+            base_url="http://127.0.0.1:8000/v1", model=args.model or gguf, num_requests=args.num_requests, concurrency=args.concurrency,
+            max_tokens=args.max_tokens, endpoint=args.endpoint, timeout_s=args.timeout,
+        )
+        report, ok = compare(gguf, args.peer.split(","), bench, args.threads, args.compile, args.llama_cpp_bin), True
+    else:
+        report, ok = serve.run_from_args(args)
+    print(report)
+    if args.record:
+        record.save("serve", report)
+    return 0 if ok else 1

@@ -20,7 +20,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from tokenloop.bench.offline import build_compiled_package
+from tokenloop.bench.common import build_compiled_package
 from tokenloop.bench.speculative_prompts import GROUNDED, OPEN
 from tokenloop.outputs import SpeculativeUsage
 
@@ -132,7 +132,5 @@ def format_rows(rows: list[Row], model: str, tokens: int, repeats: int) -> str:
     return "\n".join(lines)
 
 
-def main(model: str, tokens: int, repeats: int) -> int:
-    rows = run(model, tokens, repeats)
-    print(format_rows(rows, model, tokens, repeats))
-    return 0
+def report(model: str, tokens: int, repeats: int) -> str:
+    return format_rows(run(model, tokens, repeats), model, tokens, repeats)

@@ -31,7 +31,7 @@ QUOTE = (
 
 GROUNDED = [
     f"Repeat the following paragraph exactly, word for word:\n\n{PARAGRAPH}",
-    f"Correct the spelling mistakes in this paragraph and return the whole corrected paragraph:\n\n"
+    "Correct the spelling mistakes in this paragraph and return the whole corrected paragraph:\n\n"
     + PARAGRAPH.replace("replaced", "replacd").replace("newspaper", "newspapr").replace("museum", "musem"),
     f"Rewrite this Python function with one change: rename the parameter `values` to `numbers`. Return the whole function.\n\n{CODE}",
     f"Quote this passage, then explain in one sentence what it means:\n\n{QUOTE}",

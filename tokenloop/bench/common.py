@@ -1,0 +1,23 @@
+"""What the benches share: the prompt they send, and the compiled package built before anything is timed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+# 91 prompt tokens with SmolLM2's tokenizer; fixed so that runs and servers compare like for like.
+DEFAULT_PROMPT = (
+    "The old lighthouse keeper climbed the spiral stairs every evening, counting each of the one hundred and "
+    "twelve steps as his father had taught him. At the top he trimmed the wick, polished the great lens and "
+    "watched the grey sea turn to silver under the rising moon. Ships rarely passed anymore, yet he kept the "
+    "light burning through every storm. One winter night, a small boat appeared on the horizon, drifting "
+    "without sails toward the rocks. He grabbed his lantern and"
+)
+
+
+def build_compiled_package(model: str, dtype: str) -> None:
+    """Start tokenloop once with `compile`, in a process of its own, waiting for the compiler, so that the
+    decode package is in the cache before a measured run: every later start loads it, and that is what the
+    tables measure (the package serves any thread count)."""
+    script = f"from tokenloop import LLM; LLM({model!r}, dtype={dtype!r}, compile=True, compile_in_background=False)"
+    subprocess.run([sys.executable, "-c", script], check=True)

@@ -1,0 +1,102 @@
+"""`tokenloop bench ... --record`: keep a run's report with where and how it was measured.
+
+Each recorded run appends one JSON line to benchmarks/results/<kind>.jsonl of the source checkout (kind: offline,
+serve, speculative), then docs/benchmarks.md is written anew from every line, newest first, and the README's
+table (between its `bench:start` and `bench:end` markers) shows the newest offline and serve runs. Figures in
+the docs come from here, never typed in by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+KINDS = {
+    "offline": "`tokenloop bench`: tokenloop beside llama.cpp's `llama-bench` on the same GGUF",
+    "serve": "`tokenloop bench serve --peer llama-server`: the servers under the same load, one at a time",
+    "speculative": "`tokenloop bench --speculative`: speculative decoding against tokenloop's own decode",
+}
+START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+
+
+def add_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--record", action="store_true",
+                        help="append the run to benchmarks/results/ and rewrite docs/benchmarks.md and the README's table (a source checkout)")
+
+
+def checkout() -> Path:
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "pyproject.toml").exists() or not (root / "benchmarks").is_dir():
+        raise ValueError(f"--record writes into a source checkout of tokenloop; this one runs from {root}")
+    return root
+
+
+def _git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        return f"{names[0]}, {os.cpu_count()} cores" if names else platform.processor()
+    except OSError:
+        return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def save(kind: str, report: str, root: Path | None = None) -> Path:
+    """Append this run's report to the results and rewrite the docs; returns the results file."""
+    root = root or checkout()
+    commit = _git(root, "rev-parse", "--short", "HEAD") or "unknown"
+    if _git(root, "status", "--porcelain", "--untracked-files=no"):
+        commit += "+changes"  # measured on a tree that differs from the commit
+    row = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": commit,
+        "cpu": cpu_name(),
+        "command": "tokenloop " + shlex.join(sys.argv[1:]),
+        "report": report,
+    }
+    results = root / "benchmarks" / "results" / f"{kind}.jsonl"
+    results.parent.mkdir(parents=True, exist_ok=True)
+    with results.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    render(root)
+    return results
+
+
+def load(root: Path, kind: str) -> list[dict]:
+    path = root / "benchmarks" / "results" / f"{kind}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _entry(row: dict) -> str:
+    return f"{row['date']}, commit {row['commit']}, {row['cpu']}: `{row['command']}`\n\n```\n{row['report']}\n```\n"
+
+
+def render(root: Path) -> None:
+    parts = ["# Benchmarks\n", "Written by `tokenloop bench ... --record` from `benchmarks/results/*.jsonl`; do not edit by hand. The machine's "
+             "speed drifts by more than 10% within an hour, so compare figures within one run (every table has its peer, "
+             "measured in the same run), not across rows. [benchmark-notes.md](benchmark-notes.md) keeps the earlier runs "
+             "and the profiles behind them.\n"]
+    for kind, title in KINDS.items():
+        rows = load(root, kind)
+        if rows:
+            parts.append(f"## {title}\n")
+            parts += [_entry(row) for row in reversed(rows)]
+    (root / "docs").mkdir(exist_ok=True)
+    (root / "docs" / "benchmarks.md").write_text("\n".join(parts))
+    readme = root / "README.md"
+    text = readme.read_text()
+    if START in text and END in text:
+        newest = [_entry(rows[-1]) for rows in (load(root, "offline"), load(root, "serve")) if rows]
+        body = "\n".join(newest) or "No run recorded yet: `tokenloop bench --engines tokenloop,llama-bench --record`.\n"
+        head, rest = text.split(START, 1)
+        readme.write_text(f"{head}{START}\n{body}{END}{rest.split(END, 1)[1]}")
