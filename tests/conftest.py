@@ -16,11 +16,29 @@ import torch
 from tests.helpers import write_tiny_tokenizer
 
 
+# A test that uses one of these needs a known GGUF model (pulled into the model store on first use): it is marked
+# real_model, and runs in the slow tier.
+REAL_MODEL_FIXTURES = frozenset({"default_model_path", "gemma3_path", "real_model"})
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real_model)
+
+
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
     from tokenloop.models.store import resolve
 
     return resolve(None)
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    from tokenloop.models.store import resolve
+
+    return resolve("gemma3-270m")
 
 
 @pytest.fixture(scope="session")

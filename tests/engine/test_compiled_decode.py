@@ -24,6 +24,8 @@ from tokenloop.models.loader import load_model
 from tokenloop.models.quant import Int8Embedding
 from tokenloop.sampling.params import SamplingParams
 
+pytestmark = pytest.mark.slow  # each test builds (or loads) a compiled package: 10 to 60 s on 2 cores
+
 BLOCK_SIZE, NUM_BLOCKS = 16, 32
 STEPS = 16
 SINGLE = [[5, 9, 2, 44, 17]]
@@ -76,7 +78,7 @@ def assert_same_greedy_tokens(compiled: ModelRunner, eager: ModelRunner, prompts
 def assert_verify_step_runs_the_package_to_decode_logits(runner: ModelRunner, package) -> None:
     """A verify step (a sequence's last token and a draft of 3 after it, beside a plain decode) is a decode step to
     the package: one query row per token. Each row's logits are those of decoding its tokens one at a time."""
-    from tokenloop.spec.proposer import Draft
+    from tokenloop.spec_decode.proposer import Draft
 
     prompt, draft = [5, 9, 2, 44, 17], [30, 31, 32]
 

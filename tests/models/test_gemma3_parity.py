@@ -39,13 +39,6 @@ RAW_PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def gemma3_path():
-    from tokenloop.models.store import resolve
-
-    return resolve("gemma3-270m")
-
-
-@pytest.fixture(scope="module")
 def gemma3_fp32(gemma3_path):
     return LLM(gemma3_path, dtype="float32", device="cpu", kv_cache_gb=0.1)
 

@@ -32,13 +32,6 @@ def long_prompt(first: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def gemma3_path():
-    from tokenloop.models.store import resolve
-
-    return resolve(NAME)
-
-
-@pytest.fixture(scope="module")
 def server(gemma3_path, tmp_path_factory):
     s = start_server(gemma3_path, tmp_path_factory.mktemp("gemma3_server") / "server.log",
                      "--served-model-name", NAME, "--dtype", "auto", "--no-compile", "--kv-cache-gb", "0.1")

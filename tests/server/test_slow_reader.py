@@ -76,6 +76,7 @@ async def itl_of_16_streams(server, until: threading.Event | None = None, max_to
                 return statistics.median(gaps)
 
 
+@pytest.mark.slow  # a minute: the reader is slow on purpose
 def test_a_256_bytes_per_second_reader_costs_no_memory_and_no_one_else_any_speed(long_server):
     full_speed = sse_text(read_all(open_slow_stream(long_server)))
     baseline_itl = asyncio.run(itl_of_16_streams(long_server))
