@@ -37,7 +37,9 @@ def first_token(home: Path, prompt: str, max_tokens: int, *flags: str) -> tuple[
     start = time.perf_counter()
     proc = subprocess.Popen(
         ["tokenloop", "generate", prompt, "--max-tokens", str(max_tokens), "--stats", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
     )
     proc.stdout.read(1)
     ttft = time.perf_counter() - start
@@ -95,10 +97,19 @@ def main() -> int:
         second, second_err = first_token(home, args.prompt, args.max_tokens)
     print(f"tokenloop first start, {DEFAULT_MODEL}, {args.max_tokens} tokens ({time.strftime('%Y-%m-%d %H:%M')})")
     print(f"  eager start (--no-compile), time to first token:          {eager:6.2f} s")
-    print(f"  default start, no package, time to first token:          {default:6.2f} s  ({default / eager:.2f}x eager; goal <= 1.10x)")
-    print(f"  background compile: {compile_s:.0f} s after that start ended, peak RSS {peak_mib:.0f} MiB, built {built or 'nothing'}")
-    print(f"  next start, time to first token:                          {second:6.2f} s  (decode {decode_rate(second_err)} tokens/s;"
-          f" the first start's {decode_rate(stderr)})")
+    print(
+        f"  default start, no package, time to first token:          {default:6.2f} s  "
+        f"({default / eager:.2f}x eager; goal <= 1.10x)"
+    )
+    print(
+        f"  background compile: {compile_s:.0f} s after that start ended, peak RSS {peak_mib:.0f} MiB, "
+        f"built {built or 'nothing'}"
+    )
+    print(
+        f"  next start, time to first token:                          {second:6.2f} s  "
+        f"(decode {decode_rate(second_err)} tokens/s;"
+        f" the first start's {decode_rate(stderr)})"
+    )
     print("  the first start said on stderr:")
     for line in stderr.splitlines():
         if line.startswith("tokenloop:"):

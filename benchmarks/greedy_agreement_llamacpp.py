@@ -60,8 +60,10 @@ def main() -> None:
         print(f"{agree:3d}/{args.tokens} tokens agree  {prompt!r}")
     full = sum(a == args.tokens for a in agreed_prefixes)
     mean = sum(agreed_prefixes) / len(agreed_prefixes)
-    print(f"dtype {args.dtype}: {full}/{len(PROMPTS)} prompts agree on all {args.tokens} greedy tokens; "
-          f"mean agreeing prefix {mean:.1f} tokens")
+    print(
+        f"dtype {args.dtype}: {full}/{len(PROMPTS)} prompts agree on all {args.tokens} greedy tokens; "
+        f"mean agreeing prefix {mean:.1f} tokens"
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Time to first token of a ~1,500-token prompt, then of a second prompt sharing that prefix (prefix cache hit).
 
-    python benchmarks/prefix_cache_ttft.py [--dtype float32]
+python benchmarks/prefix_cache_ttft.py [--dtype float32]
 """
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ import time
 
 from tokenloop import LLM, SamplingParams
 
-PREFIX = " ".join(f"Clause {i}: the tenant keeps the garden, pays on the {i % 28 + 1}th and feeds the cat." for i in range(75))
+PREFIX = " ".join(
+    f"Clause {i}: the tenant keeps the garden, pays on the {i % 28 + 1}th and feeds the cat." for i in range(75)
+)
 
 
 def ttft(llm: LLM, prompt: str) -> tuple[float, int, int]:

@@ -60,8 +60,10 @@ def accuracy(llm: LLM, items: list[dict], n: int) -> None:
     print(f"self-consistency on {k} arithmetic word problems (default model, fast path)")
     print(f"  greedy, one answer             {greedy_ok:3d}/{k}  {greedy_ok / k:6.1%}")
     print(f"  one sample (temperature 0.8)   {single_ok:3d}/{k}  {single_ok / k:6.1%}")
-    print(f"  vote of n={n} (temperature 0.8) {voted_ok:3d}/{k}  {voted_ok / k:6.1%}   ({answered} items with an answer; "
-          f"{early} stopped early; {samples} of {n * k} samples finished)")
+    print(
+        f"  vote of n={n} (temperature 0.8) {voted_ok:3d}/{k}  {voted_ok / k:6.1%}   ({answered} items with an answer; "
+        f"{early} stopped early; {samples} of {n * k} samples finished)"
+    )
     print(f"  time: greedy + one sample {plain_s:.1f} s, votes {vote_s:.1f} s")
 
 
@@ -79,8 +81,10 @@ def skeleton_latency(llm: LLM, questions: list[str]) -> None:
         same = texts == result.expansions
         print(f"  {question!r}: {len(result.points)} points, same text sequentially: {same}")
     k = len(questions)
-    print(f"skeleton-of-thought on {k} questions: {parallel_s / k:.2f} s per answer with the points expanded together, "
-          f"{sequential_s / k:.2f} s one after another ({sequential_s / parallel_s:.2f}x)")
+    print(
+        f"skeleton-of-thought on {k} questions: {parallel_s / k:.2f} s per answer with the points expanded together, "
+        f"{sequential_s / k:.2f} s one after another ({sequential_s / parallel_s:.2f}x)"
+    )
 
 
 def main() -> None:

@@ -40,10 +40,23 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     args = p.parse_args()
     llm = LLM()
-    prompts = [llm.chat_prompt([{"role": "user", "content": f"Describe person number {i} as a JSON object with name, age, hobbies and city."}]) for i in range(args.requests)]
+    prompts = [
+        llm.chat_prompt(
+            [
+                {
+                    "role": "user",
+                    "content": f"Describe person number {i} as a JSON object with name, age, hobbies and city.",
+                }
+            ]
+        )
+        for i in range(args.requests)
+    ]
     plain = [SamplingParams(temperature=0.8, seed=i, max_tokens=args.max_tokens) for i in range(args.requests)]
     spec = StructuredOutputsParams(json=SCHEMA)
-    constrained = [SamplingParams(temperature=0.8, seed=i, max_tokens=args.max_tokens, structured_outputs=spec) for i in range(args.requests)]
+    constrained = [
+        SamplingParams(temperature=0.8, seed=i, max_tokens=args.max_tokens, structured_outputs=spec)
+        for i in range(args.requests)
+    ]
     llm.generate(prompts[:2], constrained[:2], use_tqdm=False)  # warm: the grammar tokenizer and the compiled step
 
     mask_s: list[float] = []
@@ -73,10 +86,15 @@ def main() -> int:
         except (json.JSONDecodeError, jsonschema.ValidationError):
             pass
     ms = np.array(mask_s) * 1e3
-    print(f"structured output, {args.requests} concurrent x {args.max_tokens} tokens ({time.strftime('%Y-%m-%d %H:%M')})")
+    print(
+        f"structured output, {args.requests} concurrent x {args.max_tokens} tokens ({time.strftime('%Y-%m-%d %H:%M')})"
+    )
     print(f"  unconstrained: {free_tps:7.1f} output tokens/s")
     print(f"  JSON schema:   {json_tps:7.1f} output tokens/s  ({json_tps / free_tps:.2f}x; goal >= 0.85x)")
-    print(f"  mask per row and token: p50 {np.percentile(ms, 50):.3f} ms, p99 {np.percentile(ms, 99):.3f} ms ({len(ms)} masks)")
+    print(
+        f"  mask per row and token: p50 {np.percentile(ms, 50):.3f} ms, p99 {np.percentile(ms, 99):.3f} ms "
+        f"({len(ms)} masks)"
+    )
     print(f"  finished with stop: {len(stopped)}/{len(outs)}; of those valid against the schema: {valid}")
     return 0
 

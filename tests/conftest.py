@@ -15,7 +15,6 @@ import torch
 
 from tests.helpers import write_tiny_tokenizer
 
-
 # A test that uses one of these needs a known GGUF model (pulled into the model store on first use): it is marked
 # real_model, and runs in the slow tier.
 REAL_MODEL_FIXTURES = frozenset({"default_model_path", "gemma3_path", "real_model"})
@@ -63,8 +62,16 @@ def tiny_model_folder(tmp_path_factory) -> Path:
     folder = write_tiny_tokenizer(tmp_path_factory.mktemp("tiny_llama"))
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
+        vocab_size=400,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
     )
     model = transformers.LlamaForCausalLM(config)
     # Sharper logits than the random init gives, so that greedy choices are not near-ties.
@@ -104,9 +111,19 @@ def tiny_gemma3_folder(tmp_path_factory) -> Path:
     folder = write_tiny_tokenizer(tmp_path_factory.mktemp("tiny_gemma3"))
     torch.manual_seed(0)
     config = transformers.Gemma3TextConfig(
-        vocab_size=400, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8, max_position_embeddings=256,
-        bos_token_id=0, eos_token_id=1, pad_token_id=2,
+        vocab_size=400,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=8,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
     )
     model = transformers.Gemma3ForCausalLM(config)
     with torch.no_grad():

@@ -27,7 +27,9 @@ def transformers_from_gguf(path: Path):
     return model, transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
 
 
-def forward_in_chunks(loaded: LoadedModel, token_ids: list[int], chunks: list[int], block_size: int = 16) -> torch.Tensor:
+def forward_in_chunks(
+    loaded: LoadedModel, token_ids: list[int], chunks: list[int], block_size: int = 16
+) -> torch.Tensor:
     """Logits [len(token_ids), vocab] computed `chunks[i]` tokens at a time against a KV cache of its own.
 
     The model's cache bindings are restored afterwards, so an engine sharing the model is left as it was.

@@ -16,7 +16,18 @@ def test_generate_streams_text_and_prints_stats(tiny_model_folder, capsys):
 
 
 def test_generate_with_a_seed_is_reproducible(tiny_model_folder, capsys):
-    args = ["generate", "Hello", "--model", str(tiny_model_folder), "--temperature", "1", "--seed", "7", "--max-tokens", "8"]
+    args = [
+        "generate",
+        "Hello",
+        "--model",
+        str(tiny_model_folder),
+        "--temperature",
+        "1",
+        "--seed",
+        "7",
+        "--max-tokens",
+        "8",
+    ]
     main(args)
     first = capsys.readouterr().out
     main(args)
@@ -77,7 +88,21 @@ def test_a_first_generate_says_what_it_waits_for_on_stderr_and_prints_only_text_
     if (tokenloop_home() / "kernels").is_dir():  # the kernels' own 20-80 s build is not what this test is about
         shutil.copytree(tokenloop_home() / "kernels", home / "kernels")
     env = os.environ | {"TOKENLOOP_HOME": str(home), "TOKENLOOP_COMPILE": "1"}
-    cmd = [sys.executable, "-m", "tokenloop.cli", "generate", "Hello world", "--model", str(tiny_model_folder), "--dtype", "float32", "--max-tokens", "6", "-t", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokenloop.cli",
+        "generate",
+        "Hello world",
+        "--model",
+        str(tiny_model_folder),
+        "--dtype",
+        "float32",
+        "--max-tokens",
+        "6",
+        "-t",
+        "0",
+    ]
     with open(tmp_path / "out.txt", "w") as out:
         first = subprocess.run(cmd, stdout=out, stderr=subprocess.PIPE, text=True, env=env, timeout=300)
     assert first.returncode == 0, first.stderr
@@ -98,7 +123,18 @@ def test_a_first_generate_says_what_it_waits_for_on_stderr_and_prints_only_text_
 def test_generate_takes_every_logits_processor_as_a_flag(tiny_model_folder, capsys):
     from tokenloop import LLM, SamplingParams
 
-    args = ["generate", "Hello world", "--model", str(tiny_model_folder), "--dtype", "float32", "--max-tokens", "6", "-t", "0"]
+    args = [
+        "generate",
+        "Hello world",
+        "--model",
+        str(tiny_model_folder),
+        "--dtype",
+        "float32",
+        "--max-tokens",
+        "6",
+        "-t",
+        "0",
+    ]
     assert main(args + ["--logit-bias", "7=100", "--repetition-penalty", "1", "--no-repeat-ngram-size", "0"]) == 0
     token = LLM(tiny_model_folder, dtype="float32", device="cpu", kv_cache_gb=0.01).get_tokenizer().decode([7] * 6)
     assert capsys.readouterr().out == token + "\n"
@@ -122,23 +158,84 @@ def test_ctrl_c_during_a_chat_reply_stops_that_reply_and_the_chat_goes_on(tiny_m
 
     monkeypatch.setattr(streaming, "stream", interrupted_first_reply)
     monkeypatch.setattr("sys.stdin", io.StringIO("Hello\nAnd then?\n/exit\n"))
-    assert cli.main(["chat", "--model", str(tiny_model_folder), "--max-tokens", "8", "--min-tokens", "8", "--stats"]) == 0
+    assert (
+        cli.main(["chat", "--model", str(tiny_model_folder), "--max-tokens", "8", "--min-tokens", "8", "--stats"]) == 0
+    )
     err = capsys.readouterr().err
     assert "[stopped]" in err and len(engines) == 2 and not engines[0].has_unfinished_requests()
     stats = [line for line in err.splitlines() if line.startswith("prompt:")]
-    assert len(stats) == 2 and "decode: 8 tokens" not in stats[0] and "decode: 8 tokens" in stats[1]  # the next turn, whole
+    assert (
+        len(stats) == 2 and "decode: 8 tokens" not in stats[0] and "decode: 8 tokens" in stats[1]
+    )  # the next turn, whole
 
 
-def test_generate_strategy_beam_prints_the_best_beam_and_vote_prints_the_winner(tiny_model_folder, long_context_model_folder, capsys):
+def test_generate_strategy_beam_prints_the_best_beam_and_vote_prints_the_winner(
+    tiny_model_folder, long_context_model_folder, capsys
+):
     from tokenloop import LLM, BeamSearchParams
 
-    best = LLM(tiny_model_folder, dtype="float32", device="cpu", kv_cache_gb=0.01).beam_search("Hello", BeamSearchParams(beam_width=3, max_tokens=6))[0]
-    assert main(["generate", "Hello", "--model", str(tiny_model_folder), "--dtype", "float32", "--strategy", "beam", "--beam-width", "3",
-                 "--max-tokens", "6", "--no-compile"]) == 0
+    best = LLM(tiny_model_folder, dtype="float32", device="cpu", kv_cache_gb=0.01).beam_search(
+        "Hello", BeamSearchParams(beam_width=3, max_tokens=6)
+    )[0]
+    assert (
+        main(
+            [
+                "generate",
+                "Hello",
+                "--model",
+                str(tiny_model_folder),
+                "--dtype",
+                "float32",
+                "--strategy",
+                "beam",
+                "--beam-width",
+                "3",
+                "--max-tokens",
+                "6",
+                "--no-compile",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out == best.outputs[0].text + "\n"
-    assert main(["generate", "Hi", "--model", str(long_context_model_folder), "--strategy", "vote", "--n", "4", "--answer", "([a-z])",
-                 "--max-tokens", "8", "--seed", "1", "--no-compile"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "Hi",
+                "--model",
+                str(long_context_model_folder),
+                "--strategy",
+                "vote",
+                "--n",
+                "4",
+                "--answer",
+                "([a-z])",
+                "--max-tokens",
+                "8",
+                "--seed",
+                "1",
+                "--no-compile",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     assert "votes (" in captured.err and len(captured.out.strip()) <= 1
-    assert main(["generate", "Hi", "--model", str(tiny_model_folder), "--strategy", "vote", "--answer", "no group", "--no-compile"]) == 2
+    assert (
+        main(
+            [
+                "generate",
+                "Hi",
+                "--model",
+                str(tiny_model_folder),
+                "--strategy",
+                "vote",
+                "--answer",
+                "no group",
+                "--no-compile",
+            ]
+        )
+        == 2
+    )
     assert "answer" in capsys.readouterr().err

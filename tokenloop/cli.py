@@ -13,7 +13,9 @@ from tokenloop.models import store
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", default=None, help=f"known name, .gguf file or HF folder (default {store.DEFAULT_MODEL})")
+    p.add_argument(
+        "--model", "-m", default=None, help=f"known name, .gguf file or HF folder (default {store.DEFAULT_MODEL})"
+    )
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--device", default=None, help="torch device (default: the accelerator if any, else the CPU)")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -23,12 +25,28 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=40, help="-1 = off (default 40)")
     p.add_argument("--top-p", type=float, default=0.95, help="1 = off (default 0.95)")
     p.add_argument("--min-p", type=float, default=0.05, help="0 = off (default 0.05)")
-    p.add_argument("--repetition-penalty", type=float, default=1.1, help="transformers' rule over prompt and output; 1 = off (default 1.1)")
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.1,
+        help="transformers' rule over prompt and output; 1 = off (default 1.1)",
+    )
     p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, over the output (default 0)")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, over the output (default 0)")
-    p.add_argument("--no-repeat-ngram-size", type=int, default=0, help="no n-gram of this size twice, prompt included (default 0: off)")
+    p.add_argument(
+        "--no-repeat-ngram-size",
+        type=int,
+        default=0,
+        help="no n-gram of this size twice, prompt included (default 0: off)",
+    )
     p.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop token before this many tokens")
-    p.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN_ID=BIAS", help="added to a token's logit, in [-100, 100] (repeatable)")
+    p.add_argument(
+        "--logit-bias",
+        action="append",
+        default=[],
+        metavar="TOKEN_ID=BIAS",
+        help="added to a token's logit, in [-100, 100] (repeatable)",
+    )
     p.add_argument("--bad-word", action="append", default=[], help="a word never to end the output with (repeatable)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -40,8 +58,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_speculative_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--speculative-config", type=_json_object, default=None, metavar="JSON",
-        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or \'{"method": "draft", "model": NAME}\'',
+        "--speculative-config",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help=(
+            'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+            'or \'{"method": "draft", "model": NAME}\''
+        ),
     )
 
 
@@ -58,15 +82,25 @@ def _json_object(text: str) -> dict:
 
 
 def _add_threads_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for the model (default: one per core that is idle at start)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for the model (default: one per core that is idle at start)",
+    )
 
 
 def _add_compile_arg(p: argparse.ArgumentParser) -> None:
     from tokenloop.engine.llm_engine import compile_by_default
 
     p.add_argument(
-        "--compile", action=argparse.BooleanOptionalAction, default=compile_by_default(),
-        help="decode steps as one compiled C++ call (the default; a first start runs eager while it compiles in the background)",
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=compile_by_default(),
+        help=(
+            "decode steps as one compiled C++ call "
+            "(the default; a first start runs eager while it compiles in the background)"
+        ),
     )
 
 
@@ -81,10 +115,19 @@ def _sampling_params(args):
         except ValueError:
             raise ValueError(f"--logit-bias takes TOKEN_ID=BIAS, got {item!r}") from None
     return SamplingParams(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-        max_tokens=args.max_tokens, stop=args.stop, repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-        no_repeat_ngram_size=args.no_repeat_ngram_size, min_tokens=args.min_tokens, logit_bias=logit_bias or None,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        no_repeat_ngram_size=args.no_repeat_ngram_size,
+        min_tokens=args.min_tokens,
+        logit_bias=logit_bias or None,
         bad_words=args.bad_word,
     )
 
@@ -92,8 +135,14 @@ def _sampling_params(args):
 def _llm(args, compile: bool):
     from tokenloop.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, device=args.device, compile=compile, threads=args.threads,
-               speculative_config=getattr(args, "speculative_config", None))
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        compile=compile,
+        threads=args.threads,
+        speculative_config=getattr(args, "speculative_config", None),
+    )
 
 
 def cmd_generate(args) -> int:
@@ -121,10 +170,14 @@ def _strategy(llm, args, params) -> str:
     from tokenloop.engine.beam_search import BeamSearchParams
 
     if args.strategy == "beam":
-        out = llm.beam_search(args.prompt, BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_tokens), use_tqdm=False)[0]
+        out = llm.beam_search(
+            args.prompt, BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_tokens), use_tqdm=False
+        )[0]
         return out.outputs[0].text
     if args.strategy == "vote":
-        vote = llm.self_consistency(llm.chat_prompt([{"role": "user", "content": args.prompt}]), args.n, args.answer, params)
+        vote = llm.self_consistency(
+            llm.chat_prompt([{"role": "user", "content": args.prompt}]), args.n, args.answer, params
+        )
         shares = ", ".join(f"{answer}: {count}" for answer, count in vote.votes.items())
         print(f"votes ({len(vote.samples)} of {args.n} samples): {shares or 'no answer'}", file=sys.stderr)
         return vote.answer if vote.answer is not None else ""
@@ -138,7 +191,11 @@ def cmd_chat(args) -> int:
     llm = _llm(args, args.compile)
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict[str, str]] = []
-    print("Chat with the model. /reset clears the conversation; Ctrl-C stops a reply; /exit, Ctrl-D or Ctrl-C at the prompt quits.", file=sys.stderr)
+    print(
+        "Chat with the model. /reset clears the conversation; Ctrl-C stops a reply; "
+        "/exit, Ctrl-D or Ctrl-C at the prompt quits.",
+        file=sys.stderr,
+    )
     while True:
         try:
             user = input("> ")
@@ -194,15 +251,31 @@ def cmd_serve(args) -> int:
     from tokenloop.server.serve import ServerConfig, serve
 
     engine_config = EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, kv_cache_gb=args.kv_cache_gb, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching, compile=args.compile, inject_faults=tuple(args.inject_fault), threads=args.threads,
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_gb=args.kv_cache_gb,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        compile=args.compile,
+        inject_faults=tuple(args.inject_fault),
+        threads=args.threads,
         speculative_config=args.speculative_config,
     )
-    limits = AsyncEngineConfig(max_waiting=args.max_waiting, unread_timeout_s=args.unread_timeout, stall_timeout_s=args.stall_timeout)
+    limits = AsyncEngineConfig(
+        max_waiting=args.max_waiting, unread_timeout_s=args.unread_timeout, stall_timeout_s=args.stall_timeout
+    )
     config = ServerConfig(
-        args.served_model_name or args.model or store.DEFAULT_MODEL, args.host, args.port, args.api_key,
-        max_n=args.max_n, max_body_mb=args.max_body_mb, shutdown_timeout=args.shutdown_timeout, limits=limits,
+        args.served_model_name or args.model or store.DEFAULT_MODEL,
+        args.host,
+        args.port,
+        args.api_key,
+        max_n=args.max_n,
+        max_body_mb=args.max_body_mb,
+        shutdown_timeout=args.shutdown_timeout,
+        limits=limits,
     )
     serve(engine_config, config)
     return 0
@@ -247,13 +320,20 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("generate", help="stream the continuation of a prompt")
     p.add_argument("prompt")
     _add_model_args(p)
-    p.add_argument("--strategy", choices=["sample", "beam", "vote", "skeleton"], default="sample",
-                   help="sample (stream one continuation, the default); beam: beam search; vote: self-consistency over "
-                        "--n chat answers read by --answer; skeleton: an outline, its points expanded together")
+    p.add_argument(
+        "--strategy",
+        choices=["sample", "beam", "vote", "skeleton"],
+        default="sample",
+        help="sample (stream one continuation, the default); beam: beam search; vote: self-consistency over "
+        "--n chat answers read by --answer; skeleton: an outline, its points expanded together",
+    )
     p.add_argument("--beam-width", type=int, default=4, help="beams, with --strategy beam (default 4)")
     p.add_argument("--n", type=int, default=8, help="samples voting, with --strategy vote (default 8)")
-    p.add_argument("--answer", default=r"[Tt]he answer is:?\s*(-?[0-9][0-9,.]*)",
-                   help="regex with one group that reads a sample's answer, with --strategy vote")
+    p.add_argument(
+        "--answer",
+        default=r"[Tt]he answer is:?\s*(-?[0-9][0-9,.]*)",
+        help="regex with one group that reads a sample's answer, with --strategy vote",
+    )
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("chat", help="multi-turn chat in the terminal")
     p.add_argument("--system", default=None, help="system message")
@@ -261,7 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_chat)
     p = sub.add_parser("perplexity", help="perplexity of the model on a text file")
     p.add_argument("file")
-    p.add_argument("--model", "-m", default=None, help=f"known name, .gguf file or HF folder (default {store.DEFAULT_MODEL})")
+    p.add_argument(
+        "--model", "-m", default=None, help=f"known name, .gguf file or HF folder (default {store.DEFAULT_MODEL})"
+    )
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--device", default=None, help="torch device (default: the accelerator if any, else the CPU)")
     p.add_argument("--window", type=int, default=512, help="tokens per window; each window is a fresh context")
@@ -269,7 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_threads_arg(p)
     p.set_defaults(func=cmd_perplexity)
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    p.add_argument("--model", "-m", default=None, help=f"known name, .gguf file or HF folder (default {store.DEFAULT_MODEL})")
+    p.add_argument(
+        "--model", "-m", default=None, help=f"known name, .gguf file or HF folder (default {store.DEFAULT_MODEL})"
+    )
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -282,12 +366,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-n", type=int, default=128, help="largest n (and best_of) a request may ask for")
-    p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body in MiB; beyond it a 413 (default 8)")
-    p.add_argument("--max-waiting", type=int, default=256, help="requests waiting for their first token; beyond it a 429")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds running requests may go on after SIGTERM")
-    p.add_argument("--unread-timeout", type=float, default=300.0, help="seconds a request paused for a slow reader may wait")
-    p.add_argument("--stall-timeout", type=float, default=4.0, help="seconds without a step after which /health says 503")
-    p.add_argument("--inject-fault", action="append", default=[], help=argparse.SUPPRESS)  # tests: STAGE:TOKEN_ID (engine/faults.py)
+    p.add_argument(
+        "--max-body-mb", type=float, default=8.0, help="largest request body in MiB; beyond it a 413 (default 8)"
+    )
+    p.add_argument(
+        "--max-waiting", type=int, default=256, help="requests waiting for their first token; beyond it a 429"
+    )
+    p.add_argument(
+        "--shutdown-timeout", type=float, default=30.0, help="seconds running requests may go on after SIGTERM"
+    )
+    p.add_argument(
+        "--unread-timeout", type=float, default=300.0, help="seconds a request paused for a slow reader may wait"
+    )
+    p.add_argument(
+        "--stall-timeout", type=float, default=4.0, help="seconds without a step after which /health says 503"
+    )
+    p.add_argument(
+        "--inject-fault", action="append", default=[], help=argparse.SUPPRESS
+    )  # tests: STAGE:TOKEN_ID (engine/faults.py)
     _add_threads_arg(p)
     _add_compile_arg(p)
     _add_speculative_arg(p)

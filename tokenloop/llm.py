@@ -63,7 +63,9 @@ class LLM:
             raise RuntimeError(f"{len(failed)} of {len(ids)} requests failed; the first: {failed[0].error}")
         return [finished[i] for i in ids]
 
-    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = True) -> list[RequestOutput]:
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = True
+    ) -> list[RequestOutput]:
         """Beam search per prompt (transformers' semantics, engine/beam_search.py); each output's completions are
         its best params.n beams, best first. The beams of every prompt run in the same steps."""
         is_batch = isinstance(prompts, list | tuple) and not (prompts and isinstance(prompts[0], int))
@@ -72,7 +74,9 @@ class LLM:
         inputs = [engine.process_prompt(p, params) for p in prompts]  # every prompt checked before any runs
         return self._run([engine.add_beam_request(p, params) for p in inputs], use_tqdm)
 
-    def self_consistency(self, prompt: Prompt, n: int, answer: str | dict | AnswerSpec, params: SamplingParams | None = None) -> Vote:
+    def self_consistency(
+        self, prompt: Prompt, n: int, answer: str | dict | AnswerSpec, params: SamplingParams | None = None
+    ) -> Vote:
         """Sample n continuations of `prompt` (forked off one prefill) and vote on their answers: `answer` is a
         regex with one group, or a JSON schema with an "answer" property (the samples then follow it). The
         samples still running are aborted once no answer can overtake the leader."""
@@ -80,7 +84,9 @@ class LLM:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be an integer >= 1, got {n!r}")
         engine = self.llm_engine
-        request_id = engine.add_request(prompt, spec.params(params or SamplingParams(temperature=0.8, max_tokens=256), n))
+        request_id = engine.add_request(
+            prompt, spec.params(params or SamplingParams(temperature=0.8, max_tokens=256), n)
+        )
         counter = VoteCounter(spec, n)
         while engine.has_unfinished_requests():
             outs = [out for out in engine.step() if out.request_id == request_id]
@@ -91,7 +97,9 @@ class LLM:
                 break
         return counter.result()
 
-    def skeleton_of_thought(self, question: str, params: SamplingParams | None = None, together: bool = True) -> Skeleton:
+    def skeleton_of_thought(
+        self, question: str, params: SamplingParams | None = None, together: bool = True
+    ) -> Skeleton:
         """Outline first (3-5 points, a grammar), then every point expanded by a sequence forked off the outline's
         (its question-and-outline blocks shared), all in the same steps; `together=False` expands them one after
         another instead (the same prompts: what the benchmark compares against)."""
@@ -103,12 +111,17 @@ class LLM:
             outline = self._run([outline_id], use_tqdm=False)[0].outputs[0]
             points = skeleton.points_of(outline.text)
             conversations = skeleton.expansion_conversations(question, outline.text, points)
-            suffixes = skeleton.expansion_suffixes(self.get_tokenizer(), prompt["prompt"], outline.token_ids, conversations)
+            suffixes = skeleton.expansion_suffixes(
+                self.get_tokenizer(), prompt["prompt"], outline.token_ids, conversations
+            )
             expansion = replace(params, n=1)
             if together:
                 outs = self._run(engine.fork_request(outline_id, suffixes, expansion), use_tqdm=False)
             else:
-                outs = [self._run(engine.fork_request(outline_id, [suffix], expansion), use_tqdm=False)[0] for suffix in suffixes]
+                outs = [
+                    self._run(engine.fork_request(outline_id, [suffix], expansion), use_tqdm=False)[0]
+                    for suffix in suffixes
+                ]
         finally:
             engine.release_request(outline_id)
         return skeleton.assemble(points, [out.outputs[0].text for out in outs])
@@ -129,8 +142,13 @@ class LLM:
         prompts = [self.chat_prompt(c, add_generation_prompt, continue_final_message, tools) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def chat_prompt(self, conversation: Conversation, add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    tools: list[dict] | None = None) -> dict:
+    def chat_prompt(
+        self,
+        conversation: Conversation,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+    ) -> dict:
         """A conversation as a prompt: the template's text and its token ids (special tokens parsed)."""
         calling = None
         if tools:

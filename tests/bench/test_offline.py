@@ -6,7 +6,16 @@ from tokenloop.bench.offline import BenchConfig, EngineResult, format_table, run
 
 
 def test_tokenloop_figures_are_measured_in_a_subprocess(tiny_model_folder):
-    cfg = BenchConfig(str(tiny_model_folder), dtype="float32", compile=False, threads=1, decode_tokens=8, prefill_tokens=64, batch_sizes=(2,), repeats=2)
+    cfg = BenchConfig(
+        str(tiny_model_folder),
+        dtype="float32",
+        compile=False,
+        threads=1,
+        decode_tokens=8,
+        prefill_tokens=64,
+        batch_sizes=(2,),
+        repeats=2,
+    )
     result = run_engine("tokenloop", cfg)
     assert result.error is None
     assert result.decode_tps > 0 and result.prefill_tps > 0 and result.ttft_ms > 0
@@ -20,8 +29,18 @@ def test_an_engine_that_fails_reports_its_error(tiny_model_folder):
 
 def test_the_table_prints_tokenloop_over_peer_ratios():
     cfg = BenchConfig("m.gguf", batch_sizes=(8,))
-    ours = EngineResult("tokenloop", decode_tps=20.0, prefill_tps=300.0, ttft_ms=10.0, batch_tps={"8": 80.0}, peak_rss_mib=100.0, weight_bytes=10**8)
-    peer = EngineResult("llama-bench", decode_tps=10.0, prefill_tps=100.0, ttft_ms=20.0, peak_rss_mib=50.0, weight_bytes=10**8)
+    ours = EngineResult(
+        "tokenloop",
+        decode_tps=20.0,
+        prefill_tps=300.0,
+        ttft_ms=10.0,
+        batch_tps={"8": 80.0},
+        peak_rss_mib=100.0,
+        weight_bytes=10**8,
+    )
+    peer = EngineResult(
+        "llama-bench", decode_tps=10.0, prefill_tps=100.0, ttft_ms=20.0, peak_rss_mib=50.0, weight_bytes=10**8
+    )
     table = format_table([ours, peer], cfg, bandwidth=20.0)
     decode = next(line for line in table.splitlines() if line.startswith("single-stream decode"))
     assert decode.split()[-2:] == ["10.0", "2.00x"]
@@ -50,8 +69,16 @@ def test_runs_go_in_rounds_of_one_run_per_engine(monkeypatch):
 def test_an_engines_runs_give_its_best_figures():
     from tokenloop.bench.offline import best_result
 
-    runs = [EngineResult("e", decode_tps=10.0, prefill_tps=90.0, ttft_ms=30.0, batch_tps={"8": 5.0}, peak_rss_mib=100.0),
-            EngineResult("e", decode_tps=12.0, prefill_tps=80.0, ttft_ms=20.0, batch_tps={"8": 7.0}, peak_rss_mib=90.0)]
+    runs = [
+        EngineResult("e", decode_tps=10.0, prefill_tps=90.0, ttft_ms=30.0, batch_tps={"8": 5.0}, peak_rss_mib=100.0),
+        EngineResult("e", decode_tps=12.0, prefill_tps=80.0, ttft_ms=20.0, batch_tps={"8": 7.0}, peak_rss_mib=90.0),
+    ]
     best = best_result(runs)
-    assert (best.decode_tps, best.prefill_tps, best.ttft_ms, best.batch_tps, best.peak_rss_mib) == (12.0, 90.0, 20.0, {"8": 7.0}, 100.0)
+    assert (best.decode_tps, best.prefill_tps, best.ttft_ms, best.batch_tps, best.peak_rss_mib) == (
+        12.0,
+        90.0,
+        20.0,
+        {"8": 7.0},
+        100.0,
+    )
     assert best_result([*runs, EngineResult("e", error="boom")]).error == "boom"

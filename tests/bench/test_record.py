@@ -15,7 +15,11 @@ def checkout(tmp_path):
     (tmp_path / "pyproject.toml").write_text("")
     (tmp_path / "README.md").write_text(README)
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
-    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "x"], cwd=tmp_path, check=True)
+    subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "x"],
+        cwd=tmp_path,
+        check=True,
+    )
     return tmp_path
 
 
@@ -27,16 +31,27 @@ def test_each_run_is_appended_and_the_docs_show_the_newest_first(tmp_path, monke
     record.save("offline", "second table", root)
 
     rows = [json.loads(line) for line in (root / "benchmarks/results/offline.jsonl").read_text().splitlines()]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
+    ).stdout.strip()
     assert [r["report"] for r in rows] == ["first table", "second table"]
-    assert rows[0]["commit"] == commit and rows[0]["command"] == "tokenloop bench --engines tokenloop,llama-bench --record"
+    assert (
+        rows[0]["commit"] == commit and rows[0]["command"] == "tokenloop bench --engines tokenloop,llama-bench --record"
+    )
     assert rows[0]["cpu"] and rows[0]["date"].endswith("UTC")
 
     docs = (root / "docs/benchmarks.md").read_text()
     assert docs.index("second table") < docs.index("first table") and "serve report" in docs
     readme = (root / "README.md").read_text()
-    assert "second table" in readme and "serve report" in readme and "first table" not in readme and "old table" not in readme
-    assert readme.startswith("# tokenloop\n\nintro\n\n<!-- bench:start -->") and readme.endswith("<!-- bench:end -->\n\n## More\n")
+    assert (
+        "second table" in readme
+        and "serve report" in readme
+        and "first table" not in readme
+        and "old table" not in readme
+    )
+    assert readme.startswith("# tokenloop\n\nintro\n\n<!-- bench:start -->") and readme.endswith(
+        "<!-- bench:end -->\n\n## More\n"
+    )
 
 
 def test_a_tree_that_differs_from_its_commit_says_so(tmp_path):

@@ -21,7 +21,12 @@ def make_engine(tiny_model_folder):
     engines = []
 
     def make(**limits) -> AsyncEngine:
-        engines.append(AsyncEngine(EngineConfig(str(tiny_model_folder), dtype="float32", device="cpu", kv_cache_gb=0.01), config=AsyncEngineConfig(**limits)))
+        engines.append(
+            AsyncEngine(
+                EngineConfig(str(tiny_model_folder), dtype="float32", device="cpu", kv_cache_gb=0.01),
+                config=AsyncEngineConfig(**limits),
+            )
+        )
         return engines[-1]
 
     yield make

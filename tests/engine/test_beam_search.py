@@ -26,9 +26,18 @@ def through_eos(ids: list[int], eos: set[int]) -> list[int]:
 
 def hf_beams(model, prompt_ids: list[int], eos: list[int], width: int, new_tokens: int, **kw) -> list[list[int]]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long), num_beams=width,
-                             num_return_sequences=width, max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos[0], **kw)
-    return [through_eos(row[len(prompt_ids):].tolist(), set(eos)) for row in out]
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            num_beams=width,
+            num_return_sequences=width,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos[0],
+            **kw,
+        )
+    return [through_eos(row[len(prompt_ids) :].tolist(), set(eos)) for row in out]
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +52,24 @@ CASES = [(w, lp, es) for w, lp, es in itertools.product([1, 4], [1.0, 2.0], [Fal
 @pytest.mark.parametrize("width, length_penalty, early_stopping", CASES)
 def test_beams_match_transformers(tiny_llm, hf_tiny, width, length_penalty, early_stopping):
     tok = tiny_llm.get_tokenizer()
-    params = BeamSearchParams(beam_width=width, max_tokens=16, length_penalty=length_penalty, early_stopping=early_stopping)
+    params = BeamSearchParams(
+        beam_width=width, max_tokens=16, length_penalty=length_penalty, early_stopping=early_stopping
+    )
     outs = tiny_llm.beam_search(PROMPTS, params, use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):
-        expected = hf_beams(hf_tiny, tok.encode(prompt), tok.eos_token_ids, width, 16, length_penalty=length_penalty, early_stopping=early_stopping)
+        expected = hf_beams(
+            hf_tiny,
+            tok.encode(prompt),
+            tok.eos_token_ids,
+            width,
+            16,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+        )
         assert [c.token_ids for c in out.outputs] == expected, prompt
-        assert out.outputs[0].cumulative_logprob <= 0 and out.outputs[0].text == tok.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+        assert out.outputs[0].cumulative_logprob <= 0 and out.outputs[0].text == tok.decode(
+            out.outputs[0].token_ids, skip_special_tokens=True
+        )
     manager = tiny_llm.llm_engine.block_manager
     assert all(b.ref_count == 0 for b in manager.blocks)
 
@@ -70,8 +91,16 @@ def test_a_beam_search_among_other_requests_finds_the_same_beams(tiny_llm):
     assert all(b.ref_count == 0 for b in engine.block_manager.blocks)
 
 
-@pytest.mark.parametrize("kw, field", [({"beam_width": 0}, "beam_width"), ({"beam_width": 65}, "beam_width"), ({"beam_width": 2, "n": 3}, "n"),
-                                       ({"beam_width": 2, "early_stopping": "sometimes"}, "early_stopping"), ({"beam_width": 2, "max_tokens": 0}, "max_tokens")])
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        ({"beam_width": 0}, "beam_width"),
+        ({"beam_width": 65}, "beam_width"),
+        ({"beam_width": 2, "n": 3}, "n"),
+        ({"beam_width": 2, "early_stopping": "sometimes"}, "early_stopping"),
+        ({"beam_width": 2, "max_tokens": 0}, "max_tokens"),
+    ],
+)
 def test_bad_beam_search_params_are_a_value_error_naming_the_field(kw, field):
     with pytest.raises(ValueError, match=f"^{field}"):
         BeamSearchParams(**kw)

@@ -107,7 +107,9 @@ def test_a_fork_shares_every_block_and_the_first_writer_into_the_shared_tail_cop
     assert m.take_copies() == [(2, 3)] and m.take_copies() == []
     assert [b.ref_count for b in m.blocks[:4]] == [2, 2, 1, 1]
     child.token_ids.append(11)
-    assert m.blocks_needed(child, 11) == 0 and m.allocate(child, 11) and child.block_table == [0, 1, 2]  # block 2 is its own now
+    assert (
+        m.blocks_needed(child, 11) == 0 and m.allocate(child, 11) and child.block_table == [0, 1, 2]
+    )  # block 2 is its own now
     assert m.take_copies() == []
     m.free(parent)
     assert [b.ref_count for b in m.blocks[:4]] == [1, 1, 1, 0] and list(m.free_queue)[0] == 3

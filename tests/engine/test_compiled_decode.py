@@ -67,7 +67,9 @@ def greedy(runner: ModelRunner, prompts: list[list[int]], steps: int = STEPS, fo
     return [s.output_token_ids for s in seqs], [torch.stack(rows) for rows in logits]
 
 
-def assert_same_greedy_tokens(compiled: ModelRunner, eager: ModelRunner, prompts: list[list[int]], steps: int = STEPS) -> None:
+def assert_same_greedy_tokens(
+    compiled: ModelRunner, eager: ModelRunner, prompts: list[list[int]], steps: int = STEPS
+) -> None:
     tokens, logits = greedy(compiled, prompts, steps)
     eager_tokens, eager_logits = greedy(eager, prompts, steps)
     assert tokens == eager_tokens
@@ -147,7 +149,13 @@ def test_compiled_decode_gives_the_eager_greedy_tokens_from_one_package(tiny_q4_
 
     # One sequence and batches, prompt lengths, a longer context: every decode step runs the package.
     package = compiled.forward.compiled = CountingPackage(compiled.forward.compiled)
-    cases = [(SINGLE, STEPS), (FIRST_BATCH, STEPS), (BATCH, STEPS), ([[8] * 9], 24), ([[i, i + 1, 2 * i] for i in range(3, 8)], STEPS)]
+    cases = [
+        (SINGLE, STEPS),
+        (FIRST_BATCH, STEPS),
+        (BATCH, STEPS),
+        ([[8] * 9], 24),
+        ([[i, i + 1, 2 * i] for i in range(3, 8)], STEPS),
+    ]
     for prompts, steps in cases:
         assert_same_greedy_tokens(compiled, eager, prompts, steps)
     # All steps but each case's prefill; one-token prompts' first step is a decode step too.
@@ -175,7 +183,7 @@ def test_compiled_decode_of_gemma3_honours_each_layers_window(tiny_gemma3_folder
     assert package.calls == 23
 
 
-def test_pull_compiles_the_package_that_an_engine_then_runs_to_eager_tokens_and_a_later_start_never_imports_the_compiler(
+def test_pull_compiles_the_package_that_an_engine_then_runs_to_eager_tokens_and_a_later_start_never_imports_the_compiler(  # noqa: E501
     tiny_model_folder, builds, tmp_path, monkeypatch, capsys
 ):
     from tokenloop import LLM, cli
@@ -198,10 +206,13 @@ def test_pull_compiles_the_package_that_an_engine_then_runs_to_eager_tokens_and_
     from tokenloop import BeamSearchParams
 
     forked = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2)
-    assert [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, forked, use_tqdm=False)] == [[e, e] for e in eager]
+    assert [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, forked, use_tqdm=False)] == [
+        [e, e] for e in eager
+    ]
     beams = BeamSearchParams(beam_width=3, max_tokens=10)
     compiled_beams, eager_beams = (
-        [[c.token_ids for c in o.outputs] for o in engine.beam_search(prompts, beams, use_tqdm=False)] for engine in (llm, eager_llm)
+        [[c.token_ids for c in o.outputs] for o in engine.beam_search(prompts, beams, use_tqdm=False)]
+        for engine in (llm, eager_llm)
     )
     assert compiled_beams == eager_beams
 
@@ -215,24 +226,37 @@ out = llm.generate({prompts[1]!r}, SamplingParams(temperature=0, max_tokens=12, 
 print(forward.built, forward.compiled is not None, "torch._dynamo" in sys.modules, "torch._inductor" in sys.modules)
 print(out[0].outputs[0].token_ids)
 """
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env={**__import__("os").environ, "TOKENLOOP_HOME": str(tmp_path)})
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "TOKENLOOP_HOME": str(tmp_path)},
+    )
     assert proc.returncode == 0, proc.stderr
     flags, tokens = proc.stdout.strip().splitlines()[-2:]
     assert flags == "False True False False"  # loaded, not built; compiled; dynamo and inductor never imported
     assert tokens == str(single)
 
 
-def test_a_first_start_runs_eager_while_one_child_compiles_then_switches_between_steps_to_the_same_tokens(tiny_model_folder, tiny_llm, tmp_path, monkeypatch):
+def test_a_first_start_runs_eager_while_one_child_compiles_then_switches_between_steps_to_the_same_tokens(
+    tiny_model_folder, tiny_llm, tmp_path, monkeypatch
+):
     """Two processes start on an empty cache: each runs at once, one background build happens (the other
     finds the package built), and a batch running meanwhile switches to the package between two steps."""
     from tokenloop import LLM
 
     monkeypatch.setenv("TOKENLOOP_HOME", str(tmp_path))
-    other = subprocess.Popen([sys.executable, "-c", f"""
+    other = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"""
 from tokenloop import LLM
 llm = LLM({str(tiny_model_folder)!r}, dtype="float32", device="cpu", kv_cache_gb=0.01, compile=True)
 llm.llm_engine.runner.forward.worker.wait()
-"""])
+""",
+        ]
+    )
     llm = LLM(tiny_model_folder, dtype="float32", device="cpu", kv_cache_gb=0.01, compile=True)
     forward = llm.llm_engine.runner.forward
     assert forward.worker is not None and forward.compiled is None  # eager at once, the build in a child
@@ -257,4 +281,6 @@ llm.llm_engine.runner.forward.worker.wait()
     assert other.wait(timeout=300) == 0
     (log,) = (tmp_path / "compiled").glob("*.log")
     lines = log.read_text().splitlines()
-    assert sum(line.startswith("built ") for line in lines) == 1 and sum(line.startswith("found ") for line in lines) == 1, lines
+    assert (
+        sum(line.startswith("built ") for line in lines) == 1 and sum(line.startswith("found ") for line in lines) == 1
+    ), lines

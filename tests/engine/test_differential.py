@@ -37,17 +37,26 @@ PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 Request = tuple[Prompt, SamplingParams | BeamSearchParams]
 Completion = tuple[list[int], list[dict[int, Logprob]] | None, float | None]
 
-LONG = "def main():\n    print('hi')\n    return 0\n" * 4 + "I'm sure they'll say it's fine, don't you think? " * 3  # 100 tokens
+LONG = (
+    "def main():\n    print('hi')\n    return 0\n" * 4 + "I'm sure they'll say it's fine, don't you think? " * 3
+)  # 100 tokens
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
 
 
 def seeded(seed: int, **changes) -> SamplingParams:
-    return SamplingParams(**({"temperature": 0.8, "top_p": 0.95, "seed": seed, "max_tokens": 24, "ignore_eos": True, "logprobs": 3} | changes))
+    return SamplingParams(
+        **(
+            {"temperature": 0.8, "top_p": 0.95, "seed": seed, "max_tokens": 24, "ignore_eos": True, "logprobs": 3}
+            | changes
+        )
+    )
 
 
 # The requests each schedule is checked on: every prompt (10 to 100 tokens, four sharing a 27-token prefix) greedy
 # and seeded, with the chosen token's logprob and the top 3 at every step.
-REQUESTS: list[Request] = [(p, GREEDY) for p in [*PROMPTS, LONG]] + [(p, seeded(100 + i)) for i, p in enumerate([*PROMPTS, LONG])]
+REQUESTS: list[Request] = [(p, GREEDY) for p in [*PROMPTS, LONG]] + [
+    (p, seeded(100 + i)) for i, p in enumerate([*PROMPTS, LONG])
+]
 # Requests whose sequences fork and share blocks: n = 4 seeded completions of one prompt, and beam searches.
 FORKED: list[Request] = [
     (PROMPTS[0], seeded(7, n=4, max_tokens=16)),
@@ -115,13 +124,18 @@ def first_difference(got: list[Completion], expected: list[Completion]) -> str |
             moved = max((abs(a[t].logprob - b[t].logprob) for t in a.keys() & b.keys()), default=float("nan"))
             return f"completion {j}: the same tokens, logprobs differ from token {step} on (there by up to {moved:.2g})"
         if (logprobs, total) != (ref_logprobs, ref_total):
-            return f"completion {j}: the same tokens, logprobs {'differ' if logprobs != ref_logprobs else 'the same'}, sum {total} alone {ref_total}"
+            return (
+                f"completion {j}: the same tokens, logprobs {'differ' if logprobs != ref_logprobs else 'the same'}, "
+                f"sum {total} alone {ref_total}"
+            )
     return None
 
 
 def assert_same(got: list[list[Completion]], expected: list[list[Completion]]) -> None:
     """Every request's completions exactly its reference's; the message says where each one that is not parts."""
-    differences = [f"request {i}: {d}" for i, (g, e) in enumerate(zip(got, expected, strict=True)) if (d := first_difference(g, e))]
+    differences = [
+        f"request {i}: {d}" for i, (g, e) in enumerate(zip(got, expected, strict=True)) if (d := first_difference(g, e))
+    ]
     assert got == expected, f"{len(differences)} of {len(got)} requests differ:\n" + "\n".join(differences)
 
 
@@ -162,21 +176,35 @@ def fillers(count: int, seed: int, vocab: int = 400) -> list[Request]:
     may stop at EOS), greedy, seeded or unseeded sampling, with or without logprobs."""
     rng = random.Random(seed)
     return [
-        ({"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(rng.choice([1, 3, 9, 17, 40, 90, 150, 200]))]},
-         SamplingParams(temperature=rng.choice([0, 0.8, 1.0]), top_p=rng.choice([1.0, 0.9]), seed=rng.choice([None, 1000 + i]),
-                        max_tokens=rng.choice([1, 3, 8, 24, 40]), ignore_eos=rng.random() < 0.5, logprobs=rng.choice([None, 0, 5])))
+        (
+            {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(rng.choice([1, 3, 9, 17, 40, 90, 150, 200]))]},
+            SamplingParams(
+                temperature=rng.choice([0, 0.8, 1.0]),
+                top_p=rng.choice([1.0, 0.9]),
+                seed=rng.choice([None, 1000 + i]),
+                max_tokens=rng.choice([1, 3, 8, 24, 40]),
+                ignore_eos=rng.random() < 0.5,
+                logprobs=rng.choice([None, 0, 5]),
+            ),
+        )
         for i in range(count)
     ]
 
 
-def mixed(checked: list[Request], others: list[Request], seed: int, latest: int) -> tuple[list[Request], list[int], list[int]]:
+def mixed(
+    checked: list[Request], others: list[Request], seed: int, latest: int
+) -> tuple[list[Request], list[int], list[int]]:
     """`checked` and `others` shuffled, each arriving at a random step up to `latest`: the batch, the arrivals and
     where each checked request landed."""
     rng = random.Random(seed)
     order = list(range(len(checked) + len(others)))
     rng.shuffle(order)
     everything = checked + others
-    return [everything[i] for i in order], [rng.randrange(latest + 1) for _ in order], [order.index(i) for i in range(len(checked))]
+    return (
+        [everything[i] for i in order],
+        [rng.randrange(latest + 1) for _ in order],
+        [order.index(i) for i in range(len(checked))],
+    )
 
 
 def test_a_request_in_a_batch_of_64_arriving_and_finishing_around_it_gets_its_tokens_and_logprobs_alone(case, alone):
@@ -214,8 +242,12 @@ def test_preemption_changes_no_token_or_logprob(case, alone):
     assert llm.llm_engine.scheduler.num_preemptions > 0
 
 
-@pytest.mark.parametrize("engine_args", [{}, {"max_num_batched_tokens": 7}, {"kv_blocks": 12}], ids=["batch", "chunked", "preempted"])
-def test_forked_completions_and_beams_in_a_batch_get_their_tokens_and_logprobs_alone(case, alone_llm, alone, engine_args):
+@pytest.mark.parametrize(
+    "engine_args", [{}, {"max_num_batched_tokens": 7}, {"kv_blocks": 12}], ids=["batch", "chunked", "preempted"]
+)
+def test_forked_completions_and_beams_in_a_batch_get_their_tokens_and_logprobs_alone(
+    case, alone_llm, alone, engine_args
+):
     """n = 4 completions and beams share their prompt's blocks (copy on write), beside the other requests."""
     expected = [run(alone_llm, [r])[0] for r in FORKED]
     llm = make(case.path, dtype=case.dtype, **engine_args)
@@ -252,12 +284,21 @@ def other_process(request) -> dict[str, list]:
     cases = {case_id(c): (str(request.getfixturevalue(MODELS[c[0]])), c[1]) for c in CASES}
     hash_seed = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"
     env = os.environ | {"PYTHONHASHSEED": hash_seed, "TOKENLOOP_COMPILE": "0"}
-    proc = subprocess.run([sys.executable, "-c", OTHER_PROCESS, json.dumps(cases)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", OTHER_PROCESS, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1])
 
 
-def test_another_process_with_another_hash_seed_and_thread_count_gives_the_same_tokens_and_logprobs(case, other_process):
+def test_another_process_with_another_hash_seed_and_thread_count_gives_the_same_tokens_and_logprobs(
+    case, other_process
+):
     """Here two threads and this process's hash seed; there one thread and PYTHONHASHSEED=1 (the same schedule)."""
     got = run(make(case.path, dtype=case.dtype, threads=2), REQUESTS)
     assert json.loads(json.dumps(got, default=dataclasses.astuple)) == other_process[case.name]
@@ -265,17 +306,29 @@ def test_another_process_with_another_hash_seed_and_thread_count_gives_the_same_
 
 # The real models, on their default path (dtype "auto"): a prompt of about 600 tokens, longer than gemma3-270m's
 # 512-token sliding window, and a short one, each greedy and seeded with the top 5 logprobs.
-REAL_LONG = " ".join(f"Item {i}: the {('red', 'green', 'blue')[i % 3]} box holds {i * 7 % 13} apples." for i in range(48))
-REAL_PARAMS = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5),
-               SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=24, ignore_eos=True, logprobs=5)]
+REAL_LONG = " ".join(
+    f"Item {i}: the {('red', 'green', 'blue')[i % 3]} box holds {i * 7 % 13} apples." for i in range(48)
+)
+REAL_PARAMS = [
+    SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5),
+    SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=24, ignore_eos=True, logprobs=5),
+]
 REAL_REQUESTS: list[Request] = [(p, sp) for p in (REAL_LONG, "Write a haiku about the sea.") for sp in REAL_PARAMS]
 REAL_OTHERS: list[Request] = [
     (prompt, SamplingParams(temperature=t, seed=s, max_tokens=m, logprobs=lp))
     for prompt, t, s, m, lp in [
-        ("Hi!", 0, None, 4, None), ("What is 2 + 2?", 0.8, 5, 16, 2), ("Name three colours.", 1.0, None, 32, None),
-        ("The capital of France is", 0, None, 8, 0), ("Tell me a story about a fox.", 0.7, 9, 28, 5), ("Translate 'cat' to French.", 0, None, 12, None),
-        (REAL_LONG[:900], 0.8, 13, 6, None), ("Count to five:", 0, None, 20, 1), ("Why is the sky blue?", 1.0, 17, 3, None),
-        ("List two fruits.", 0, None, 24, None), ("Say hello in Spanish.", 0.9, None, 10, 3), ("Once upon a time", 0, None, 30, None),
+        ("Hi!", 0, None, 4, None),
+        ("What is 2 + 2?", 0.8, 5, 16, 2),
+        ("Name three colours.", 1.0, None, 32, None),
+        ("The capital of France is", 0, None, 8, 0),
+        ("Tell me a story about a fox.", 0.7, 9, 28, 5),
+        ("Translate 'cat' to French.", 0, None, 12, None),
+        (REAL_LONG[:900], 0.8, 13, 6, None),
+        ("Count to five:", 0, None, 20, 1),
+        ("Why is the sky blue?", 1.0, 17, 3, None),
+        ("List two fruits.", 0, None, 24, None),
+        ("Say hello in Spanish.", 0.9, None, 10, 3),
+        ("Once upon a time", 0, None, 30, None),
     ]
 ]
 REAL_MODELS = {"smollm2 default": None, "gemma3-270m": "gemma3-270m"}
@@ -307,7 +360,9 @@ def test_a_real_models_request_in_a_batch_of_16_gets_its_tokens_and_logprobs_alo
 
 @pytest.mark.real_model
 def test_a_real_models_prefill_in_chunks_of_64_changes_no_token_or_logprob(real_model, real_alone):
-    llm = make(real_model, dtype="auto", device=None, kv_cache_gb=0.25, enable_prefix_caching=False, max_num_batched_tokens=64)
+    llm = make(
+        real_model, dtype="auto", device=None, kv_cache_gb=0.25, enable_prefix_caching=False, max_num_batched_tokens=64
+    )
     assert_same([run(llm, [r])[0] for r in REAL_REQUESTS], real_alone)
 
 
@@ -342,7 +397,9 @@ def test_chunked_prefill_gives_the_same_tokens(tiny_model_folder, reference, chu
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix cache", "no prefix cache"])
 def test_speculative_decoding_gives_the_same_tokens(tiny_model_folder, reference, method, prefix_caching):
     # Drafts every step (adaptive off); the draft model is the tiny model itself in bfloat16 (close, not equal).
-    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False} | ({"model": str(tiny_model_folder), "dtype": "bfloat16"} if method == "draft" else {})
+    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False} | (
+        {"model": str(tiny_model_folder), "dtype": "bfloat16"} if method == "draft" else {}
+    )
     llm = make(tiny_model_folder, enable_prefix_caching=prefix_caching, speculative_config=spec)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] == reference
     assert llm.llm_engine.speculator.stats.num_accepted_tokens > 0
@@ -355,8 +412,14 @@ def test_a_request_alone_equals_it_inside_a_batch_of_32(tiny_llm):
     assert [o.outputs[0].token_ids for o in together] == [alone[p] for p in batch]
 
 
-@pytest.mark.parametrize("engine_args", [{"enable_prefix_caching": False}, {"max_num_batched_tokens": 7}, {}], ids=["no prefix cache", "chunked", "default"])
-def test_a_request_failing_beside_the_others_changes_none_of_their_tokens(tiny_model_folder, tiny_llm, reference, engine_args):
+@pytest.mark.parametrize(
+    "engine_args",
+    [{"enable_prefix_caching": False}, {"max_num_batched_tokens": 7}, {}],
+    ids=["no prefix cache", "chunked", "default"],
+)
+def test_a_request_failing_beside_the_others_changes_none_of_their_tokens(
+    tiny_model_folder, tiny_llm, reference, engine_args
+):
     tokenizer = tiny_llm.get_tokenizer()
     marker = max(set(range(400)) - {t for p in PROMPTS for t in tokenizer.encode(p)})  # in no prompt but the victim's
     llm = make(tiny_model_folder, inject_faults=(f"sample:{marker}",), **engine_args)
@@ -371,8 +434,17 @@ def test_a_request_failing_beside_the_others_changes_none_of_their_tokens(tiny_m
     assert [last[i].outputs[0].token_ids for i in ids] == reference
 
 
-PENALIZED = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.5,
-                           presence_penalty=0.3, no_repeat_ngram_size=2, logit_bias={7: 2.0}, bad_words=["hello"])
+PENALIZED = SamplingParams(
+    temperature=0,
+    max_tokens=24,
+    ignore_eos=True,
+    repetition_penalty=1.3,
+    frequency_penalty=0.5,
+    presence_penalty=0.3,
+    no_repeat_ngram_size=2,
+    logit_bias={7: 2.0},
+    bad_words=["hello"],
+)
 
 
 @pytest.fixture(scope="module")
@@ -380,9 +452,14 @@ def penalized_reference(tiny_llm):
     return [o.outputs[0].token_ids for o in tiny_llm.generate(PROMPTS, PENALIZED, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("engine_args", [{"enable_prefix_caching": False}, {"max_num_batched_tokens": 7}, {"kv_blocks": 8}],
-                         ids=["no prefix cache", "chunked", "preempted"])
-def test_logits_processors_give_the_same_tokens_whatever_the_scheduling(tiny_model_folder, penalized_reference, engine_args):
+@pytest.mark.parametrize(
+    "engine_args",
+    [{"enable_prefix_caching": False}, {"max_num_batched_tokens": 7}, {"kv_blocks": 8}],
+    ids=["no prefix cache", "chunked", "preempted"],
+)
+def test_logits_processors_give_the_same_tokens_whatever_the_scheduling(
+    tiny_model_folder, penalized_reference, engine_args
+):
     llm = make(tiny_model_folder, **engine_args)
     outs = llm.generate(PROMPTS, PENALIZED, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == penalized_reference
@@ -390,7 +467,9 @@ def test_logits_processors_give_the_same_tokens_whatever_the_scheduling(tiny_mod
         assert llm.llm_engine.scheduler.num_preemptions > 0
 
 
-def test_logits_processors_alone_equal_them_inside_a_batch_of_32_with_plain_rows(tiny_llm, penalized_reference, reference):
+def test_logits_processors_alone_equal_them_inside_a_batch_of_32_with_plain_rows(
+    tiny_llm, penalized_reference, reference
+):
     batch = (PROMPTS * 6)[:32]
     params = [PENALIZED if i % 2 else PARAMS for i in range(32)]
     together = [o.outputs[0].token_ids for o in tiny_llm.generate(batch, params, use_tqdm=False)]
@@ -399,11 +478,17 @@ def test_logits_processors_alone_equal_them_inside_a_batch_of_32_with_plain_rows
     assert together == expected and penalized_reference != reference
 
 
-@pytest.mark.parametrize("engine_args", [{"enable_prefix_caching": False}, {"max_num_batched_tokens": 7}, {}], ids=["no prefix cache", "chunked", "default"])
+@pytest.mark.parametrize(
+    "engine_args",
+    [{"enable_prefix_caching": False}, {"max_num_batched_tokens": 7}, {}],
+    ids=["no prefix cache", "chunked", "default"],
+)
 def test_structured_output_gives_the_same_tokens_whatever_the_scheduling(tiny_model_folder, tiny_llm, engine_args):
     from tokenloop.sampling.structured import StructuredOutputsParams
 
-    params = SamplingParams(temperature=0.9, seed=4, max_tokens=24, structured_outputs=StructuredOutputsParams(regex=r"[a-z]{4,12}\."))
+    params = SamplingParams(
+        temperature=0.9, seed=4, max_tokens=24, structured_outputs=StructuredOutputsParams(regex=r"[a-z]{4,12}\.")
+    )
     expected = [o.outputs[0].token_ids for o in tiny_llm.generate(PROMPTS, params, use_tqdm=False)]
     outs = make(tiny_model_folder, **engine_args).generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -431,9 +516,19 @@ def teacher_forced(tiny_model_folder, tiny_llm):
     return expected
 
 
-@pytest.mark.parametrize("engine_args", [{"enable_prefix_caching": False}, {"max_num_batched_tokens": 7}, {"kv_blocks": 8, "max_num_batched_tokens": 16}, {}],
-                         ids=["no prefix cache", "chunked", "preempted", "prefix cache warm"])
-def test_prompt_logprobs_are_the_teacher_forced_ones_whatever_the_scheduling(tiny_model_folder, reference, teacher_forced, engine_args):
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        {"enable_prefix_caching": False},
+        {"max_num_batched_tokens": 7},
+        {"kv_blocks": 8, "max_num_batched_tokens": 16},
+        {},
+    ],
+    ids=["no prefix cache", "chunked", "preempted", "prefix cache warm"],
+)
+def test_prompt_logprobs_are_the_teacher_forced_ones_whatever_the_scheduling(
+    tiny_model_folder, reference, teacher_forced, engine_args
+):
     llm = make(tiny_model_folder, **engine_args)
     if not engine_args:  # every prompt already in the prefix cache: scoring must still compute each position
         llm.generate(PROMPTS, PARAMS, use_tqdm=False)
@@ -442,7 +537,7 @@ def test_prompt_logprobs_are_the_teacher_forced_ones_whatever_the_scheduling(tin
     outs = llm.generate(batch, params, use_tqdm=False)
     for i, (prompt, out) in enumerate(zip(batch, outs)):
         k = PROMPTS.index(prompt)
-        assert out.outputs[0].token_ids == reference[k][:len(out.outputs[0].token_ids)]
+        assert out.outputs[0].token_ids == reference[k][: len(out.outputs[0].token_ids)]
         if i % 2:
             assert out.prompt_logprobs is None
             continue
@@ -454,16 +549,23 @@ def test_prompt_logprobs_are_the_teacher_forced_ones_whatever_the_scheduling(tin
         assert llm.llm_engine.scheduler.num_preemptions > 0
 
 
-@pytest.mark.parametrize("engine_args", [{"enable_prefix_caching": False}, {"max_num_batched_tokens": 7}, {"kv_blocks": 10}],
-                         ids=["no prefix cache", "chunked", "preempted"])
+@pytest.mark.parametrize(
+    "engine_args",
+    [{"enable_prefix_caching": False}, {"max_num_batched_tokens": 7}, {"kv_blocks": 10}],
+    ids=["no prefix cache", "chunked", "preempted"],
+)
 def test_forked_completions_and_beams_are_the_same_whatever_the_scheduling(tiny_model_folder, tiny_llm, engine_args):
     forked = SamplingParams(temperature=1.0, seed=5, max_tokens=16, ignore_eos=True, n=4)
     beams = BeamSearchParams(beam_width=4, max_tokens=12)
-    expected = ([[c.token_ids for c in o.outputs] for o in tiny_llm.generate(PROMPTS[:3], forked, use_tqdm=False)],
-                [[c.token_ids for c in o.outputs] for o in tiny_llm.beam_search(PROMPTS[:3], beams, use_tqdm=False)])
+    expected = (
+        [[c.token_ids for c in o.outputs] for o in tiny_llm.generate(PROMPTS[:3], forked, use_tqdm=False)],
+        [[c.token_ids for c in o.outputs] for o in tiny_llm.beam_search(PROMPTS[:3], beams, use_tqdm=False)],
+    )
     llm = make(tiny_model_folder, **engine_args)
-    got = ([[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS[:3], forked, use_tqdm=False)],
-           [[c.token_ids for c in o.outputs] for o in llm.beam_search(PROMPTS[:3], beams, use_tqdm=False)])
+    got = (
+        [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS[:3], forked, use_tqdm=False)],
+        [[c.token_ids for c in o.outputs] for o in llm.beam_search(PROMPTS[:3], beams, use_tqdm=False)],
+    )
     assert got == expected
     if "kv_blocks" in engine_args:
         assert llm.llm_engine.scheduler.num_preemptions > 0
@@ -471,7 +573,9 @@ def test_forked_completions_and_beams_are_the_same_whatever_the_scheduling(tiny_
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix cache", "no prefix cache"])
-def test_sliding_window_layers_give_a_request_alone_the_tokens_it_gets_inside_a_batch_of_32(tiny_gemma3_folder, prefix_caching):
+def test_sliding_window_layers_give_a_request_alone_the_tokens_it_gets_inside_a_batch_of_32(
+    tiny_gemma3_folder, prefix_caching
+):
     """Gemma 3's per-layer windows (8 tokens, the prompts cross several): batch composition, shared prefixes
     and long prompt chunks (attended in window pieces) change no token."""
     llm = make(tiny_gemma3_folder, enable_prefix_caching=prefix_caching)
@@ -481,4 +585,6 @@ def test_sliding_window_layers_give_a_request_alone_the_tokens_it_gets_inside_a_
     assert [o.outputs[0].token_ids for o in together] == [alone[p] for p in batch]
     window = llm.llm_engine.model_config.sliding_window
     assert min(len(o.prompt_token_ids) for o in together) > window  # every prompt's prefill attends in window pieces
-    assert min(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in together) > 2 * window  # decodes cross windows
+    assert (
+        min(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in together) > 2 * window
+    )  # decodes cross windows

@@ -34,10 +34,16 @@ def reference(tiny_llm):
 
 
 @pytest.mark.parametrize("stage", ["prepare", "sample", "detokenize"])
-@pytest.mark.parametrize("params", [PARAMS, SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True, logprobs=2)], ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "params",
+    [PARAMS, SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True, logprobs=2)],
+    ids=["greedy", "seeded"],
+)
 def test_a_fault_in_one_request_fails_it_alone_and_leaves_31_others_unchanged(tiny_model_folder, stage, params):
     clean = LLM(tiny_model_folder, dtype="float32", device="cpu", kv_cache_gb=0.01)
-    faulty = LLM(tiny_model_folder, dtype="float32", device="cpu", kv_cache_gb=0.01, inject_faults=(f"{stage}:{MARKER}",))
+    faulty = LLM(
+        tiny_model_folder, dtype="float32", device="cpu", kv_cache_gb=0.01, inject_faults=(f"{stage}:{MARKER}",)
+    )
     expected = [o.outputs[0].token_ids for o in clean.generate(prompts_of_32(), params, use_tqdm=False)]
     prompts = prompts_of_32()
     prompts.insert(13, [5, MARKER, 8])
@@ -51,7 +57,9 @@ def test_a_fault_in_one_request_fails_it_alone_and_leaves_31_others_unchanged(ti
 
 
 def test_generate_raises_for_a_failed_request_naming_the_error(tiny_model_folder):
-    faulty = LLM(tiny_model_folder, dtype="float32", device="cpu", kv_cache_gb=0.01, inject_faults=(f"sample:{MARKER}",))
+    faulty = LLM(
+        tiny_model_folder, dtype="float32", device="cpu", kv_cache_gb=0.01, inject_faults=(f"sample:{MARKER}",)
+    )
     with pytest.raises(RuntimeError, match="1 of 2 requests failed.*injected fault in sample"):
         faulty.generate([[5, 6], [5, MARKER]], PARAMS, use_tqdm=False)
 

@@ -15,17 +15,29 @@ def make(folder, **kw) -> LLM:
     return LLM(folder, **({"dtype": "float32", "device": "cpu", "kv_cache_gb": 0.01} | kw))
 
 
-@pytest.mark.parametrize("engine_args", [{}, {"enable_prefix_caching": False}, {"max_num_batched_tokens": 7}], ids=["default", "no prefix cache", "chunked"])
+@pytest.mark.parametrize(
+    "engine_args",
+    [{}, {"enable_prefix_caching": False}, {"max_num_batched_tokens": 7}],
+    ids=["default", "no prefix cache", "chunked"],
+)
 def test_greedy_completions_forked_equal_the_request_alone(tiny_model_folder, tiny_llm, engine_args):
-    alone = tiny_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
-    out = make(tiny_model_folder, **engine_args).generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=3), use_tqdm=False)[0]
+    alone = (
+        tiny_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
+    out = make(tiny_model_folder, **engine_args).generate(
+        PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=3), use_tqdm=False
+    )[0]
     assert [c.token_ids for c in out.outputs] == [alone] * 3
 
 
 def test_seeded_completions_are_the_same_with_prefix_caching_on_and_off(tiny_model_folder):
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True, n=4)
     on = make(tiny_model_folder).generate([PROMPT, "The quick brown fox"], params, use_tqdm=False)
-    off = make(tiny_model_folder, enable_prefix_caching=False).generate([PROMPT, "The quick brown fox"], params, use_tqdm=False)
+    off = make(tiny_model_folder, enable_prefix_caching=False).generate(
+        [PROMPT, "The quick brown fox"], params, use_tqdm=False
+    )
     assert [[c.token_ids for c in o.outputs] for o in on] == [[c.token_ids for c in o.outputs] for o in off]
     assert len({tuple(c.token_ids) for c in on[0].outputs}) == 4  # four different samples, not one repeated
 

@@ -176,12 +176,17 @@ def scored(llm: LLM, sequences: list[list[int]], top: int) -> list[list[dict[int
     """Teacher-forced, in one pass: each sequence's prompt logprobs (its token's and the top `top`) at positions
     1 onwards."""
     params = SamplingParams(max_tokens=1, prompt_logprobs=top)
-    return [out.prompt_logprobs[1:] for out in llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)]
+    return [
+        out.prompt_logprobs[1:]
+        for out in llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+    ]
 
 
 def token_logprobs(llm: LLM, sequences: list[list[int]]) -> torch.Tensor:
     """The logprob of every token of `sequences` after their first, teacher-forced, in one flat tensor."""
-    return torch.tensor([step[t].logprob for s, steps in zip(sequences, scored(llm, sequences, 0)) for step, t in zip(steps, s[1:])])
+    return torch.tensor(
+        [step[t].logprob for s, steps in zip(sequences, scored(llm, sequences, 0)) for step, t in zip(steps, s[1:])]
+    )
 
 
 def rms(x: torch.Tensor) -> float:
@@ -213,7 +218,9 @@ def test_the_fast_paths_logprobs_are_as_close_to_float32_as_bfloat16s(fast, sequ
 
 
 @pytest.mark.parametrize("qtype", list(MISREADINGS), ids=lambda q: q.name)
-def test_a_fast_path_that_misread_one_format_would_be_outside_that_tolerance(kquant_folder, sequences, float32_logprobs, tolerance, qtype):
+def test_a_fast_path_that_misread_one_format_would_be_outside_that_tolerance(
+    kquant_folder, sequences, float32_logprobs, tolerance, qtype
+):
     """The check above can fail: each misreading of MISREADINGS, the fast path run on the file as it would read
     it, is 1.8 to 25 times the tolerance away (the Q4_K mins, the smallest part of their weights, the least)."""
     misread = make(write_kquant_gemma3(kquant_folder / f"misread_{qtype.name}.gguf", kquant_folder, misread=qtype))
@@ -232,7 +239,9 @@ def distance_from_greedy(llm: LLM, prompts: list[list[int]], completions: list[C
     return distance
 
 
-@pytest.mark.parametrize("schedule", ["alone", "batch of 16", "prefix cache hits", "chunks of 1", "chunks of 7", "chunks of 64"])
+@pytest.mark.parametrize(
+    "schedule", ["alone", "batch of 16", "prefix cache hits", "chunks of 1", "chunks of 7", "chunks of 64"]
+)
 def test_scheduling_gives_the_fast_paths_greedy_choices(kquant_gguf, fast, alone, schedule):
     """Alone: decode steps (the paged decode kernel) against the teacher-forced prefill (SDPA). The others with
     prefix caching on, but the batch's."""
@@ -241,7 +250,9 @@ def test_scheduling_gives_the_fast_paths_greedy_choices(kquant_gguf, fast, alone
         completions = alone
     elif schedule == "batch of 16":
         prompts = (PROMPTS * 4)[:16]
-        completions = [out.outputs[0] for out in fast.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
+        completions = [
+            out.outputs[0] for out in fast.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        ]
     elif schedule == "prefix cache hits":  # one by one: the later prompts start from the first one's two blocks
         llm = make(kquant_gguf, enable_prefix_caching=True)
         completions = [llm.generate(r, GREEDY, use_tqdm=False)[0].outputs[0] for r in requests]

@@ -121,7 +121,11 @@ def test_chat_renders_the_template_and_reuses_earlier_turns(tiny_llm):
 @pytest.mark.parametrize(
     "prompt, params, message",
     [
-        ("hello", SamplingParams(max_tokens=300), r"max_tokens is 300: with the prompt's \d+ tokens that makes \d+, beyond the context length of 256 tokens"),
+        (
+            "hello",
+            SamplingParams(max_tokens=300),
+            r"max_tokens is 300: with the prompt's \d+ tokens that makes \d+, beyond the context length of 256 tokens",
+        ),
         ("", SamplingParams(), "prompt is empty"),
         ([5, 400, 7], SamplingParams(), r"out of the vocabulary \[0, 400\): \[400\]"),
         ({"text": "x"}, SamplingParams(), "needs 'prompt' or 'prompt_token_ids'"),
@@ -199,7 +203,11 @@ def test_n_completions_fork_off_the_first_sharing_its_blocks_and_follow_seed_plu
     engine.step()  # the prompt's prefill: the second completion forks off the first, sharing its blocks
     first, second = (c.seq for c in request.completions)
     full = len(request.prompt_token_ids) // engine.config.block_size
-    assert full > 0 and second.block_table == first.block_table and second.num_computed_tokens == len(request.prompt_token_ids) - 1
+    assert (
+        full > 0
+        and second.block_table == first.block_table
+        and second.num_computed_tokens == len(request.prompt_token_ids) - 1
+    )
     engine.step()  # each wrote into the shared last block: a copy each, the full ones still shared
     assert second.block_table[:full] == first.block_table[:full] and second.block_table[full] != first.block_table[full]
     while engine.has_unfinished_requests():

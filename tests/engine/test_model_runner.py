@@ -17,7 +17,9 @@ from tokenloop.sampling.params import SamplingParams
 
 def test_each_sequence_attends_as_one_entry_whatever_its_phase(tiny_model_folder):
     loaded = load_model(tiny_model_folder, torch.float32, torch.device("cpu"), load_tokenizer=False)
-    runner = ModelRunner(loaded.model, loaded.config, num_blocks=8, block_size=16, kv_dtype=torch.float32, device=torch.device("cpu"))
+    runner = ModelRunner(
+        loaded.model, loaded.config, num_blocks=8, block_size=16, kv_dtype=torch.float32, device=torch.device("cpu")
+    )
     decoding = Sequence("a", [5, 6, 7, 8, 9, 10], 5, SamplingParams(), num_computed_tokens=5, block_table=[0, 1])
     prompt = Sequence("b", [11, 12, 13, 14, 15], 5, SamplingParams(), num_computed_tokens=1, block_table=[2, 3])
     other = Sequence("c", [1, 2, 3], 2, SamplingParams(), num_computed_tokens=2, block_table=[4])
@@ -27,7 +29,11 @@ def test_each_sequence_attends_as_one_entry_whatever_its_phase(tiny_model_folder
     assert inp.positions.tolist() == [5, 1, 2, 3, 4, 2]
     assert inp.meta.slot_mapping.tolist() == [5, 33, 34, 35, 36, 66]
     meta = inp.meta
-    assert meta.query_start.tolist() == [0, 1, 5] and meta.query_count.tolist() == [1, 4, 1] and meta.first_position.tolist() == [5, 1, 2]
+    assert (
+        meta.query_start.tolist() == [0, 1, 5]
+        and meta.query_count.tolist() == [1, 4, 1]
+        and meta.first_position.tolist() == [5, 1, 2]
+    )
     assert meta.block_tables.tolist() == [[0, 1], [2, 3], [4, 0]] and meta.block_size == 16  # padding blocks: 0
     assert inp.sample_seq_indices == [0, 1, 2] and inp.logit_rows.tolist() == [0, 4, 5]
     assert meta.windowed(3).window == 3 and meta.window is None
@@ -39,7 +45,9 @@ def test_the_sdpa_path_gives_the_kernels_attention(tiny_model_folder, window):
     """Where the kernel cannot run (a GPU), SDPA over a gathered copy attends to the same keys: decodes, a chunk
     after cached tokens and a prompt from its first token, in one step, full and windowed."""
     loaded = load_model(tiny_model_folder, torch.float32, torch.device("cpu"), load_tokenizer=False)
-    runner = ModelRunner(loaded.model, loaded.config, num_blocks=8, block_size=16, kv_dtype=torch.float32, device=torch.device("cpu"))
+    runner = ModelRunner(
+        loaded.model, loaded.config, num_blocks=8, block_size=16, kv_dtype=torch.float32, device=torch.device("cpu")
+    )
     attn = loaded.model.attention_layers()[0]
     gen = torch.Generator().manual_seed(0)
     attn.k_cache.copy_(torch.randn(attn.k_cache.shape, generator=gen))
@@ -60,18 +68,27 @@ def test_the_sdpa_path_gives_the_kernels_attention(tiny_model_folder, window):
 
 def test_a_scored_prompt_asks_for_the_logits_of_each_position_and_its_last_row_samples(tiny_model_folder):
     loaded = load_model(tiny_model_folder, torch.float32, torch.device("cpu"), load_tokenizer=False)
-    runner = ModelRunner(loaded.model, loaded.config, num_blocks=8, block_size=16, kv_dtype=torch.float32, device=torch.device("cpu"))
+    runner = ModelRunner(
+        loaded.model, loaded.config, num_blocks=8, block_size=16, kv_dtype=torch.float32, device=torch.device("cpu")
+    )
     decoding = Sequence("a", [5, 6, 7, 8, 9, 10], 5, SamplingParams(), num_computed_tokens=5, block_table=[0, 1])
-    scored = Sequence("b", [11, 12, 13, 14, 15, 16], 6, SamplingParams(prompt_logprobs=2), block_table=[2, 3], score_prompt=True)
+    scored = Sequence(
+        "b", [11, 12, 13, 14, 15, 16], 6, SamplingParams(prompt_logprobs=2), block_table=[2, 3], score_prompt=True
+    )
     first = runner.prepare(ScheduledBatch([decoding, scored], [1, 4]))  # a chunk: positions 0..3 score tokens 1..4
-    assert [(s.seq_index, s.start, s.first_position, s.count, s.samples) for s in first.spans] == [(0, 0, 5, 1, True), (1, 1, 0, 4, False)]
+    assert [(s.seq_index, s.start, s.first_position, s.count, s.samples) for s in first.spans] == [
+        (0, 0, 5, 1, True),
+        (1, 1, 0, 4, False),
+    ]
     assert first.logit_rows.tolist() == [0, 1, 2, 3, 4] and first.sample_seq_indices == [0]
 
     logits = runner.logits(first)
     (scores,) = runner.score(logits, first, [decoding, scored])
     assert scores.seq_index == 1 and scores.first_position == 1 and scores.samples.token_ids == [12, 13, 14, 15]
     expected = logits[1:5].log_softmax(-1)
-    torch.testing.assert_close(torch.tensor([row[0] for row in scores.samples.logprobs]), expected[range(4), [12, 13, 14, 15]])
+    torch.testing.assert_close(
+        torch.tensor([row[0] for row in scores.samples.logprobs]), expected[range(4), [12, 13, 14, 15]]
+    )
     assert all(len(row) == 3 for row in scores.samples.logprobs)  # the token's own, then the top 2
     torch.testing.assert_close(runner.sample_logits(logits, first), logits[:1])
 

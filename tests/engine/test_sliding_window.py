@@ -62,7 +62,9 @@ def test_one_by_one_with_and_without_prefix_caching(tiny_gemma3_folder, referenc
 @pytest.mark.parametrize("chunk", [1, 7, 64])
 def test_chunked_prefill_batched_with_decodes(tiny_gemma3_folder, reference, chunk):
     """All prompts in one batch: their chunks share steps with the decodes of the ones that are done."""
-    check(make(tiny_gemma3_folder, max_num_batched_tokens=chunk).generate(requests(), PARAMS, use_tqdm=False), reference)
+    check(
+        make(tiny_gemma3_folder, max_num_batched_tokens=chunk).generate(requests(), PARAMS, use_tqdm=False), reference
+    )
 
 
 def test_preempted_and_recomputed(tiny_gemma3_folder, reference):
@@ -71,7 +73,10 @@ def test_preempted_and_recomputed(tiny_gemma3_folder, reference):
 
     probe = make(tiny_gemma3_folder).llm_engine
     blocks = 9  # the longest sequence needs 5 blocks of 16: two cannot run together
-    llm = make(tiny_gemma3_folder, kv_cache_gb=blocks * kv_bytes_per_block(probe.model_config, probe.config.block_size, torch.float32) / 2**30)
+    llm = make(
+        tiny_gemma3_folder,
+        kv_cache_gb=blocks * kv_bytes_per_block(probe.model_config, probe.config.block_size, torch.float32) / 2**30,
+    )
     check(llm.generate(requests(), PARAMS, use_tqdm=False), reference)
     assert llm.llm_engine.scheduler.num_preemptions > 0
 

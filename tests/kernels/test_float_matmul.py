@@ -9,7 +9,9 @@ import torch
 
 from tokenloop import kernels
 
-pytestmark = pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="tokenloop's CPU kernels are not available here")
+pytestmark = pytest.mark.skipif(
+    not kernels.cpu_kernels_available(), reason="tokenloop's CPU kernels are not available here"
+)
 
 # N not a multiple of the kernel's column group (3 or 6 weight rows), K a multiple of its vector or not (8 or 16).
 SHAPES = [(100, 576), (61, 200)]
@@ -77,7 +79,6 @@ def test_strided_inputs_give_the_contiguous_floats():
     torch.manual_seed(0)
     x, w = torch.randn(576, 40), torch.randn(576, 64)
     assert torch.equal(matmul(x.t(), w.t()), matmul(x.t().contiguous(), w.t().contiguous()))
-
 
 
 def test_empty_products():

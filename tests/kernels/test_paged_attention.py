@@ -53,8 +53,16 @@ def attend(q, cache, entries, window=0, scale=0.125):
     """entries: (sequence, first position, count), their query rows in order in q."""
     starts = torch.tensor([0] + [c for _, _, c in entries]).cumsum(0)[:-1]
     return torch.ops.tokenloop.paged_attention(
-        q, cache.k, cache.v, cache.block_tables([s for s, _, _ in entries]), cache.block_size, starts,
-        torch.tensor([c for _, _, c in entries]), torch.tensor([f for _, f, _ in entries]), window, scale,
+        q,
+        cache.k,
+        cache.v,
+        cache.block_tables([s for s, _, _ in entries]),
+        cache.block_size,
+        starts,
+        torch.tensor([c for _, _, c in entries]),
+        torch.tensor([f for _, f, _ in entries]),
+        window,
+        scale,
     )
 
 
@@ -66,7 +74,9 @@ def reference(q_rows, cache, seq, first, window, scale):
         pos = first + i
         lo = max(pos - window + 1, 0) if window else 0
         slots = cache.slots(seq, pos + 1)[lo:]
-        keys = cache.k_rows[:, slots].double().transpose(0, 1).repeat_interleave(q_heads // kv_heads, dim=1)  # [n, q_heads, D]
+        keys = (
+            cache.k_rows[:, slots].double().transpose(0, 1).repeat_interleave(q_heads // kv_heads, dim=1)
+        )  # [n, q_heads, D]
         values = cache.v_rows[:, slots].double().transpose(0, 1).repeat_interleave(q_heads // kv_heads, dim=1)
         weights = torch.softmax(torch.einsum("hd,nhd->hn", q.double(), keys) * scale, dim=-1)
         out.append(torch.einsum("hn,nhd->hd", weights, values).flatten())
@@ -88,7 +98,9 @@ def test_each_query_attends_to_its_causal_window_of_the_paged_cache(cache_dtype,
     q = torch.randn(sum(c for _, _, c in entries), q_heads, head_dim, generator=gen) * 2
     scale = head_dim**-0.5
     out = attend(q, cache, entries, window, scale)
-    expected = torch.cat([reference(q[r : r + c], cache, s, f, window, scale) for (s, f, c), r in zip(entries, [0, 70, 71, 111])])
+    expected = torch.cat(
+        [reference(q[r : r + c], cache, s, f, window, scale) for (s, f, c), r in zip(entries, [0, 70, 71, 111])]
+    )
     if cache_dtype == torch.bfloat16:  # bfloat16 products: 8 bits of mantissa on q, k, p and v
         assert (out.double() - expected).abs().mean() < 0.01 * expected.abs().mean()
     else:
@@ -97,7 +109,9 @@ def test_each_query_attends_to_its_causal_window_of_the_paged_cache(cache_dtype,
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim,window", CASES)
-def test_a_query_row_gets_the_same_floats_however_its_sequence_is_split_and_whatever_is_beside_it(cache_dtype, q_heads, kv_heads, head_dim, window):
+def test_a_query_row_gets_the_same_floats_however_its_sequence_is_split_and_whatever_is_beside_it(
+    cache_dtype, q_heads, kv_heads, head_dim, window
+):
     skip_unless_supported(cache_dtype, head_dim)
     gen = torch.Generator().manual_seed(7 + head_dim)
     cache = Cache(gen, kv_heads, head_dim, cache_dtype, 16, [300, 50, 9])
@@ -109,7 +123,12 @@ def test_a_query_row_gets_the_same_floats_however_its_sequence_is_split_and_what
         assert torch.equal(torch.cat(parts), whole), f"chunks of {chunk}"
     # Beside other sequences' rows, in another order, split into entries of one row and of many.
     other = torch.randn(59, q_heads, head_dim, generator=gen)
-    mixed = attend(torch.cat([other[:50], q[200:], other[50:], q[:200]]), cache, [(1, 0, 50), (0, 200, 100), (2, 0, 9), *[(0, p, 1) for p in range(200)]], window)
+    mixed = attend(
+        torch.cat([other[:50], q[200:], other[50:], q[:200]]),
+        cache,
+        [(1, 0, 50), (0, 200, 100), (2, 0, 9), *[(0, p, 1) for p in range(200)]],
+        window,
+    )
     assert torch.equal(mixed[50:150], whole[200:]) and torch.equal(mixed[159:], whole[:200])
     # With one thread and with two.
     threads = torch.get_num_threads()
@@ -131,9 +150,21 @@ def test_the_block_size_changes_no_float(cache_dtype):
         k, v = kv_layout.from_rows(keys, values, block_size)
         table = torch.arange(320 // block_size).unsqueeze(0)
         one = torch.tensor([1])
-        outs.append(torch.cat([torch.ops.tokenloop.paged_attention(q[a : a + 1], k, v, table, block_size, torch.tensor([0]), one, torch.tensor([a]), 0, 0.125)
-                               for a in range(0, 300, 37)] + [torch.ops.tokenloop.paged_attention(q, k, v, table, block_size, torch.tensor([0]),
-                                                                                                 torch.tensor([300]), torch.tensor([0]), 0, 0.125)]))
+        outs.append(
+            torch.cat(
+                [
+                    torch.ops.tokenloop.paged_attention(
+                        q[a : a + 1], k, v, table, block_size, torch.tensor([0]), one, torch.tensor([a]), 0, 0.125
+                    )
+                    for a in range(0, 300, 37)
+                ]
+                + [
+                    torch.ops.tokenloop.paged_attention(
+                        q, k, v, table, block_size, torch.tensor([0]), torch.tensor([300]), torch.tensor([0]), 0, 0.125
+                    )
+                ]
+            )
+        )
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 

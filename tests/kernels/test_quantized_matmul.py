@@ -14,7 +14,16 @@ import pytest
 import torch
 
 from tokenloop import kernels
-from tokenloop.models.quant import FactoredScales, Int4Linear, Int4Tensor, Int5Linear, Int8Embedding, Int8Linear, Int8Tensor, QuantLayout
+from tokenloop.models.quant import (
+    FactoredScales,
+    Int4Linear,
+    Int4Tensor,
+    Int5Linear,
+    Int8Embedding,
+    Int8Linear,
+    Int8Tensor,
+    QuantLayout,
+)
 
 pytestmark = pytest.mark.skipif(kernels._unsupported_reason() is not None, reason=str(kernels._unsupported_reason()))
 
@@ -87,7 +96,9 @@ def random_q8(n: int, k: int, gen: torch.Generator, group: int = 32) -> Int8Line
     """An Int8Linear with random int8 weights (-128 included) and a scale per `group` weights."""
     linear = Int8Linear(k, n, bias=False, layout=QuantLayout(8, torch.float16 if group == 32 else torch.float32, group))
     q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
-    linear.load_rows(slice(None), Int8Tensor(q, (torch.rand(n, k // group, generator=gen) * 0.02).to(linear.layout.scale_dtype)))
+    linear.load_rows(
+        slice(None), Int8Tensor(q, (torch.rand(n, k // group, generator=gen) * 0.02).to(linear.layout.scale_dtype))
+    )
     return linear
 
 
@@ -158,7 +169,10 @@ def test_factored_scales_give_the_floats_of_their_float32_products(weights, m):
     assert torch.equal(held.gated_forward(gate_up, "silu"), copy.gated_forward(gate_up, "silu"))
 
 
-EXACT_ACTIVATIONS = {"silu": torch.nn.functional.silu, "gelu_pytorch_tanh": functools.partial(torch.nn.functional.gelu, approximate="tanh")}
+EXACT_ACTIVATIONS = {
+    "silu": torch.nn.functional.silu,
+    "gelu_pytorch_tanh": functools.partial(torch.nn.functional.gelu, approximate="tanh"),
+}
 # Controls: near misses the check must catch (a SiLU off by 1e-4 in its slope; GELU's erf form).
 WRONG_ACTIVATIONS = {"silu": lambda g: g * torch.sigmoid(1.0001 * g), "gelu_pytorch_tanh": torch.nn.functional.gelu}
 
@@ -180,15 +194,24 @@ def test_gated_matmul_is_the_matmul_of_act_gate_times_up(m, k, n, weights, activ
     if weights == "q4":
         linear, _ = random_q4(n, k, gen)
         fused = torch.ops.tokenloop.q4_gated_matmul(gate_up, linear.qweight, linear.scales, linear.offsets, activation)
-        product = lambda x: q4_matmul(x, linear)
+
+        def product(x):
+            return q4_matmul(x, linear)
+
     elif weights == "q5":
         linear, _ = random_q5(n, k, gen)
         fused = torch.ops.tokenloop.q5_gated_matmul(gate_up, linear.qweight, linear.scales, activation)
-        product = lambda x: q5_matmul(x, linear)
+
+        def product(x):
+            return q5_matmul(x, linear)
+
     else:
         linear = random_q8(n, k, gen, group=16 if weights.endswith("16") else 32)
         fused = torch.ops.tokenloop.q8_gated_matmul(gate_up, linear.qweight, linear.scales, activation)
-        product = lambda x: torch.ops.tokenloop.q8_matmul(x, linear.qweight, linear.scales)
+
+        def product(x):
+            return torch.ops.tokenloop.q8_matmul(x, linear.qweight, linear.scales)
+
     assert relative_error(fused, product((EXACT_ACTIVATIONS[activation](gate) * up).float())) < 1e-6
     assert relative_error(fused, product((WRONG_ACTIVATIONS[activation](gate) * up).float())) > 1e-6
 
@@ -201,13 +224,22 @@ def test_a_row_gets_the_same_floats_alone_and_among_many(weights):
     x = torch.randn(33, 256, generator=gen)
     if weights == "q4":
         linear, _ = random_q4(56, 256, gen)
-        product = lambda rows: q4_matmul(rows, linear)
+
+        def product(rows):
+            return q4_matmul(rows, linear)
+
     elif weights == "q5":
         linear, _ = random_q5(56, 256, gen)
-        product = lambda rows: q5_matmul(rows, linear)
+
+        def product(rows):
+            return q5_matmul(rows, linear)
+
     else:
         linear = random_q8(56, 256, gen, group=16)
-        product = lambda rows: torch.ops.tokenloop.q8_matmul(rows, linear.qweight, linear.scales)
+
+        def product(rows):
+            return torch.ops.tokenloop.q8_matmul(rows, linear.qweight, linear.scales)
+
     many = product(x)
     assert all(torch.equal(product(x[i : i + 1])[0], many[i]) for i in range(len(x)))
 
@@ -226,7 +258,9 @@ def test_bad_shapes_raise_a_clear_error():
     with pytest.raises(RuntimeError, match="scales must be float16, float32, uint8 or int8"):
         torch.ops.tokenloop.q4_matmul(torch.randn(1, 64), packed, scale.double(), offset.double())
     with pytest.raises(RuntimeError, match=r"scales must be \[N / 8, K / 32, 8 or 16\]"):
-        torch.ops.tokenloop.q8_matmul(torch.randn(1, 64), torch.zeros(1, 2, 256, dtype=torch.int8), torch.zeros(1, 2, 24).half())
+        torch.ops.tokenloop.q8_matmul(
+            torch.randn(1, 64), torch.zeros(1, 2, 256, dtype=torch.int8), torch.zeros(1, 2, 24).half()
+        )
     with pytest.raises(RuntimeError, match="offsets must have shape"):
         torch.ops.tokenloop.q4_matmul(torch.randn(1, 64), packed, scale, offset[:, :1].contiguous())
     with pytest.raises(RuntimeError, match="K must be a multiple of 32, got 2K = 96"):
@@ -236,14 +270,38 @@ def test_bad_shapes_raise_a_clear_error():
     with pytest.raises(RuntimeError, match="uint8 or int8 scales need their float16 factors per 256 weights"):
         torch.ops.tokenloop.q4_matmul(torch.randn(1, 64), packed, scale.to(torch.uint8), offset.to(torch.uint8))
     with pytest.raises(RuntimeError, match="float scales take no factors per 256 weights"):
-        torch.ops.tokenloop.q8_matmul(torch.randn(1, 64), torch.zeros(1, 2, 256, dtype=torch.int8), torch.zeros(1, 2, 8).half(), torch.zeros(1, 1, 8).half())
-    with pytest.raises(RuntimeError, match=r"factors per 256 weights must be a contiguous float16 \[N / 8, K / 256, 8\] tensor"):
-        torch.ops.tokenloop.q8_matmul(torch.randn(1, 256), torch.zeros(1, 8, 256, dtype=torch.int8), torch.zeros(1, 8, 8, dtype=torch.int8), torch.zeros(1, 2, 8).half())
+        torch.ops.tokenloop.q8_matmul(
+            torch.randn(1, 64),
+            torch.zeros(1, 2, 256, dtype=torch.int8),
+            torch.zeros(1, 2, 8).half(),
+            torch.zeros(1, 1, 8).half(),
+        )
+    with pytest.raises(
+        RuntimeError, match=r"factors per 256 weights must be a contiguous float16 \[N / 8, K / 256, 8\] tensor"
+    ):
+        torch.ops.tokenloop.q8_matmul(
+            torch.randn(1, 256),
+            torch.zeros(1, 8, 256, dtype=torch.int8),
+            torch.zeros(1, 8, 8, dtype=torch.int8),
+            torch.zeros(1, 2, 8).half(),
+        )
     q4k_scales, q4k_factors = torch.zeros(1, 8, 8, dtype=torch.uint8), torch.zeros(1, 1, 8).half()
-    with pytest.raises(RuntimeError, match=r"factors per 256 weights must be a contiguous float16 \[N / 8, K / 256, 8\] tensor, got \[1, 2, 8\]"):
-        torch.ops.tokenloop.q4_matmul(torch.randn(1, 256), torch.zeros(1, 8, 128, dtype=torch.uint8), q4k_scales, q4k_scales, q4k_factors, torch.zeros(1, 2, 8).half())
+    with pytest.raises(
+        RuntimeError,
+        match=r"factors per 256 weights must be a contiguous float16 \[N / 8, K / 256, 8\] tensor, got \[1, 2, 8\]",
+    ):
+        torch.ops.tokenloop.q4_matmul(
+            torch.randn(1, 256),
+            torch.zeros(1, 8, 128, dtype=torch.uint8),
+            q4k_scales,
+            q4k_scales,
+            q4k_factors,
+            torch.zeros(1, 2, 8).half(),
+        )
     with pytest.raises(RuntimeError, match="uint8 or int8 scales need their float16 factors per 256 weights"):
-        torch.ops.tokenloop.q4_matmul(torch.randn(1, 256), torch.zeros(1, 8, 128, dtype=torch.uint8), q4k_scales, q4k_scales, q4k_factors)
+        torch.ops.tokenloop.q4_matmul(
+            torch.randn(1, 256), torch.zeros(1, 8, 128, dtype=torch.uint8), q4k_scales, q4k_scales, q4k_factors
+        )
 
 
 def isa_outputs() -> list[torch.Tensor]:
@@ -252,12 +310,23 @@ def isa_outputs() -> list[torch.Tensor]:
     linear, _ = random_q4(40, 192, gen)
     x, gate_up = torch.randn(7, 192, generator=gen), torch.randn(7, 384, generator=gen)
     head = Int8Embedding(40, 192)
-    head.load_rows(slice(None), Int8Tensor(torch.randint(-128, 128, (40, 192), dtype=torch.int8, generator=gen), torch.rand(40, 6, generator=gen).half()))
+    head.load_rows(
+        slice(None),
+        Int8Tensor(
+            torch.randint(-128, 128, (40, 192), dtype=torch.int8, generator=gen),
+            torch.rand(40, 6, generator=gen).half(),
+        ),
+    )
     q6k = random_q8(40, 192, gen, group=16)
     q5, _ = random_q5(40, 192, gen)
     x13 = torch.randn(13, 192, generator=gen)  # from 12 rows, q5 is widened to q8 first
     q6k_held = Int8Linear(256, 24, bias=False, layout=QuantLayout(8, torch.int8, 16))  # the file's integer scales
-    q6k_held.load_rows(slice(None), Int8Tensor(torch.randint(-128, 128, (24, 256), dtype=torch.int8, generator=gen), factored(24, 256, 16, torch.int8, gen)))
+    q6k_held.load_rows(
+        slice(None),
+        Int8Tensor(
+            torch.randint(-128, 128, (24, 256), dtype=torch.int8, generator=gen), factored(24, 256, 16, torch.int8, gen)
+        ),
+    )
     x256 = torch.randn(5, 256, generator=gen)
     return [
         torch.ops.tokenloop.q8_matmul(x256, q6k_held.qweight, q6k_held.scales, q6k_held.scales_per_256),
@@ -265,13 +334,17 @@ def isa_outputs() -> list[torch.Tensor]:
         q5_matmul(x13, q5),
         torch.ops.tokenloop.q5_gated_matmul(gate_up, q5.qweight, q5.scales, "gelu_pytorch_tanh"),
         q4_matmul(x, linear),
-        torch.ops.tokenloop.q4_gated_matmul(gate_up, linear.qweight, linear.scales, linear.offsets, "gelu_pytorch_tanh"),
+        torch.ops.tokenloop.q4_gated_matmul(
+            gate_up, linear.qweight, linear.scales, linear.offsets, "gelu_pytorch_tanh"
+        ),
         torch.ops.tokenloop.q8_matmul(x, head.qweight, head.scales),
         torch.ops.tokenloop.q8_gated_matmul(gate_up, q6k.qweight, q6k.scales, "silu"),
     ]
 
 
-@pytest.mark.skipif(kernels._cxx_flags() == kernels.CXX_FLAGS, reason="this CPU has no AVX512-VNNI: the AVX2 build is the only one")
+@pytest.mark.skipif(
+    kernels._cxx_flags() == kernels.CXX_FLAGS, reason="this CPU has no AVX512-VNNI: the AVX2 build is the only one"
+)
 def test_the_avx512_vnni_build_gives_the_avx2_builds_floats(tmp_path):
     # The AVX2 build runs in a child: one process can register the ops once.
     child = f"""

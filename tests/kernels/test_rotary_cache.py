@@ -23,7 +23,9 @@ def built():
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("tokens,q_heads,kv_heads,head_dim", [(37, 9, 3, 64), (5, 4, 1, 256), (1, 2, 2, 16)])
-def test_rotates_q_and_k_in_place_and_writes_k_and_v_to_their_slots(qk_norm, cache_dtype, tokens, q_heads, kv_heads, head_dim):
+def test_rotates_q_and_k_in_place_and_writes_k_and_v_to_their_slots(
+    qk_norm, cache_dtype, tokens, q_heads, kv_heads, head_dim
+):
     gen = torch.Generator().manual_seed(tokens * head_dim)
     rotary = RotaryEmbedding(head_dim, 4096, 10000.0, None)
     cos, sin = rotary.tables(torch.randint(0, 4096, (tokens,), generator=gen))
@@ -35,7 +37,11 @@ def test_rotates_q_and_k_in_place_and_writes_k_and_v_to_their_slots(qk_norm, cac
     v_cache = torch.randn(kv_heads, num_slots, head_dim, generator=gen).to(cache_dtype)
 
     heads = qkv[:, : (q_heads + kv_heads) * head_dim].view(tokens, q_heads + kv_heads, head_dim)
-    norms = (torch.randn(head_dim, generator=gen), torch.randn(head_dim, generator=gen), 1e-6) if qk_norm else (None, None, 0.0)
+    norms = (
+        (torch.randn(head_dim, generator=gen), torch.randn(head_dim, generator=gen), 1e-6)
+        if qk_norm
+        else (None, None, 0.0)
+    )
     if qk_norm:  # as RMSNorm's eager ops, query heads with q_norm and key heads with k_norm
         weights = torch.cat([norms[0].expand(q_heads, -1), norms[1].expand(kv_heads, -1)])
         heads = weights * F.rms_norm(heads, (head_dim,), eps=norms[2])
@@ -45,8 +51,14 @@ def test_rotates_q_and_k_in_place_and_writes_k_and_v_to_their_slots(qk_norm, cac
     kv_layout.write(expected_k, expected_v, slots, rotated[:, q_heads:], v, block_size)
     expected_qkv = torch.cat([rotated.flatten(1), v.flatten(1)], dim=1)
 
-    torch.ops.tokenloop.rotary_cache_write(qkv, cos.squeeze(1), sin.squeeze(1), k_cache, v_cache, slots, block_size, q_heads, *norms)
-    same = torch.equal if not qk_norm else lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-5 if a.dtype == torch.float32 else 2e-3)
+    torch.ops.tokenloop.rotary_cache_write(
+        qkv, cos.squeeze(1), sin.squeeze(1), k_cache, v_cache, slots, block_size, q_heads, *norms
+    )
+    same = (
+        torch.equal
+        if not qk_norm
+        else lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-5 if a.dtype == torch.float32 else 2e-3)
+    )
     assert same(qkv, expected_qkv)
     assert same(k_cache, expected_k)
     assert torch.equal(v_cache, expected_v)
@@ -62,8 +74,12 @@ def test_bad_inputs_raise_a_clear_error():
     with pytest.raises(RuntimeError, match="slot_mapping must be"):
         torch.ops.tokenloop.rotary_cache_write(qkv, table, table, cache, cache, slots[:2], 16, 2)
     with pytest.raises(RuntimeError, match="q_norm and k_norm come together"):
-        torch.ops.tokenloop.rotary_cache_write(qkv, table, table, cache, cache, slots, 16, 2, torch.ones(16), None, 1e-6)
+        torch.ops.tokenloop.rotary_cache_write(
+            qkv, table, table, cache, cache, slots, 16, 2, torch.ones(16), None, 1e-6
+        )
     with pytest.raises(RuntimeError, match="q_norm and k_norm must be"):
-        torch.ops.tokenloop.rotary_cache_write(qkv, table, table, cache, cache, slots, 16, 2, torch.ones(8), torch.ones(8), 1e-6)
+        torch.ops.tokenloop.rotary_cache_write(
+            qkv, table, table, cache, cache, slots, 16, 2, torch.ones(8), torch.ones(8), 1e-6
+        )
     with pytest.raises(RuntimeError, match="slot 16 is outside the cache's 16 slots"):
         torch.ops.tokenloop.rotary_cache_write(qkv, table, table, cache, cache, torch.tensor([0, 16, 1]), 16, 2)

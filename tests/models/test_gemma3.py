@@ -30,8 +30,16 @@ def interleaved_checkpoint(folder):
     size's, and linear RoPE scaling (the global layers' only)."""
     torch.manual_seed(1)
     config = transformers.Gemma3TextConfig(
-        vocab_size=400, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=12, sliding_window=8, max_position_embeddings=256,
+        vocab_size=400,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        query_pre_attn_scalar=12,
+        sliding_window=8,
+        max_position_embeddings=256,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         rope_scaling={"rope_type": "linear", "factor": 8.0},
     )
@@ -83,7 +91,12 @@ def test_gguf_gives_transformers_logits(tiny_gemma3_folder, tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_gemma3_folder, dtype=torch.float32).eval()
     with torch.no_grad():
         expected = model(torch.tensor([TOKENS])).logits[0]
-    loaded = load_model(write_gguf(model, "gemma3", tmp_path / "m.gguf", Q.F32), torch.float32, torch.device("cpu"), load_tokenizer=False)
+    loaded = load_model(
+        write_gguf(model, "gemma3", tmp_path / "m.gguf", Q.F32),
+        torch.float32,
+        torch.device("cpu"),
+        load_tokenizer=False,
+    )
     for chunk in (None, 7):
         torch.testing.assert_close(forward_in_chunks(loaded, TOKENS, chunks_of(chunk)), expected, atol=1e-4, rtol=0)
 
@@ -100,7 +113,12 @@ def test_config_reads_from_older_config_json_spellings(tiny_gemma3_folder):
     sliding_window_pattern, rope_local_base_freq and rope_scaling instead."""
     new = json.loads((tiny_gemma3_folder / "config.json").read_text())
     old = {k: v for k, v in new.items() if k not in ("layer_types", "rope_parameters", "_sliding_window_pattern")}
-    old |= {"sliding_window_pattern": 6, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "rope_scaling": None}
+    old |= {
+        "sliding_window_pattern": 6,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+        "rope_scaling": None,
+    }
     assert ModelConfig.from_hf_config(old) == ModelConfig.from_hf_config(new)
     config = ModelConfig.from_hf_config(new)
     assert [config.layer_window(i) for i in range(6)] == [8] * 5 + [None]

@@ -18,20 +18,29 @@ TOP = 5
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "Name three primary colours."}],
+    [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Name three primary colours."},
+    ],
     [
         {"role": "user", "content": "Hi! Who are you?"},
         {"role": "assistant", "content": "I am Gemma, a small assistant."},
         {"role": "user", "content": "Write a haiku about the sea."},
     ],
 ]
-LONG_PROMPT = " ".join(
-    f"Section {i}: the river town of Ashford kept {i * 7 % 23} boats, {i * 3 % 11} mills and a bell that rang at dawn."
-    for i in range(60)
-) + " In summary, the town"
+LONG_PROMPT = (
+    " ".join(
+        (
+            f"Section {i}: the river town of Ashford kept {i * 7 % 23} boats, "
+            f"{i * 3 % 11} mills and a bell that rang at dawn."
+        )
+        for i in range(60)
+    )
+    + " In summary, the town"
+)
 RAW_PROMPTS = [
     "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "长城是中国古代的军事防御工程，",
     "Numbers  like 12345 and 3.14,\n\n  spaced\tout 😀",
     LONG_PROMPT,
@@ -67,12 +76,18 @@ def test_chat_template_token_ids_match_transformers(gemma3_fp32, gemma3_referenc
 def test_greedy_tokens_and_logprobs_match_transformers(gemma3_fp32, gemma3_reference):
     hf_model, _ = gemma3_reference
     tok = gemma3_fp32.get_tokenizer()
-    batch = [gemma3_fp32.chat_prompt(c) for c in CONVERSATIONS] + [{"prompt": p, "prompt_token_ids": tok.encode(p)} for p in RAW_PROMPTS]
+    batch = [gemma3_fp32.chat_prompt(c) for c in CONVERSATIONS] + [
+        {"prompt": p, "prompt_token_ids": tok.encode(p)} for p in RAW_PROMPTS
+    ]
     assert max(len(p["prompt_token_ids"]) for p in batch) > 1500  # past the 512-token window, and three of its blocks
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=TOP, ignore_eos=True)
     # The long prompt runs on its own: batched attention pads every sequence to the longest context.
-    batch = [p for p in batch if len(p["prompt_token_ids"]) <= 1500] + [p for p in batch if len(p["prompt_token_ids"]) > 1500]
-    outputs = gemma3_fp32.generate(batch[:-1], params, use_tqdm=False) + gemma3_fp32.generate(batch[-1:], params, use_tqdm=False)
+    batch = [p for p in batch if len(p["prompt_token_ids"]) <= 1500] + [
+        p for p in batch if len(p["prompt_token_ids"]) > 1500
+    ]
+    outputs = gemma3_fp32.generate(batch[:-1], params, use_tqdm=False) + gemma3_fp32.generate(
+        batch[-1:], params, use_tqdm=False
+    )
     diverged = []
     for prompt, out in zip(batch, outputs, strict=True):
         ours = out.outputs[0]
@@ -82,7 +97,9 @@ def test_greedy_tokens_and_logprobs_match_transformers(gemma3_fp32, gemma3_refer
             ref_top = ref_logprobs[step].topk(TOP).indices.tolist()
             if a != b:
                 # vLLM's check_logprobs_close: at the first divergence each token is in the other's top-k; stop there.
-                assert a in ref_top and b in ours.logprobs[step], f"prompt {prompt.get('prompt', '')[:40]!r} step {step}"
+                assert a in ref_top and b in ours.logprobs[step], (
+                    f"prompt {prompt.get('prompt', '')[:40]!r} step {step}"
+                )
                 diverged.append(prompt.get("prompt", "")[:40])
                 break
             assert abs(ours.logprobs[step][a].logprob - float(ref_logprobs[step][a])) < 1e-3

@@ -24,7 +24,9 @@ Q = gguf.GGMLQuantizationType
 HALF_FIELDS = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q8_0: [0], Q.Q5_0: [0], Q.Q4_K: [0, 2], Q.Q6_K: [208]}
 
 
-def random_blocks(qtype: gguf.GGMLQuantizationType, rows: int, cols: int, seed: int, half_range: float = 0.05) -> np.ndarray:
+def random_blocks(
+    qtype: gguf.GGMLQuantizationType, rows: int, cols: int, seed: int, half_range: float = 0.05
+) -> np.ndarray:
     """Raw rows [rows, bytes per row]: random bytes, the float16 fields uniform in ±half_range."""
     rng = np.random.default_rng(seed)
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]

@@ -18,17 +18,42 @@ from tokenloop.models.loader import load_model
 
 transformers = pytest.importorskip("transformers")
 
-TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0)
-GGUF_NAMES = {v: k for k, v in {
-    "token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head", "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}.items()}
+TINY = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+)
+GGUF_NAMES = {
+    v: k
+    for k, v in {
+        "token_embd": "embed_tokens",
+        "output_norm": "norm",
+        "output": "lm_head",
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }.items()
+}
 # llama.cpp's gemma3 names: four norms per layer, and per-head query and key norms.
 GEMMA3_GGUF_NAMES = GGUF_NAMES | {
-    "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
-    "post_feedforward_layernorm": "post_ffw_norm", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+}
 Q = gguf.GGMLQuantizationType
 
 
@@ -58,7 +83,9 @@ def random_k_quant(data: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.n
     return blocks.reshape(data.shape[0], -1)
 
 
-def write_gguf(model, arch: str, path: Path, qtype: Q, extra_tensor: str | None = None, embedding_qtype: Q | None = None) -> Path:
+def write_gguf(
+    model, arch: str, path: Path, qtype: Q, extra_tensor: str | None = None, embedding_qtype: Q | None = None
+) -> Path:
     """The model as a GGUF file, every matrix in qtype (the token embedding in embedding_qtype if given)."""
     c = model.config
     w = gguf.GGUFWriter(str(path), arch)
@@ -70,7 +97,9 @@ def write_gguf(model, arch: str, path: Path, qtype: Q, extra_tensor: str | None 
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
-    if arch == "gemma3":  # llama.cpp's converter: the global layers' RoPE base, and Gemma's (1 + w) norms stored as 1 + w
+    if (
+        arch == "gemma3"
+    ):  # llama.cpp's converter: the global layers' RoPE base, and Gemma's (1 + w) norms stored as 1 + w
         w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
@@ -87,7 +116,11 @@ def write_gguf(model, arch: str, path: Path, qtype: Q, extra_tensor: str | None 
         if arch == "llama" and ("q_proj.weight" in name or "k_proj.weight" in name):
             data = permute(data, c.num_attention_heads if "q_proj" in name else c.num_key_value_heads)
         if data.ndim == 2 and tensor_qtype in K_QUANT_SCALES:
-            w.add_tensor(gguf_name(name, arch), random_k_quant(data, tensor_qtype, np.random.default_rng(len(name))), raw_dtype=tensor_qtype)
+            w.add_tensor(
+                gguf_name(name, arch),
+                random_k_quant(data, tensor_qtype, np.random.default_rng(len(name))),
+                raw_dtype=tensor_qtype,
+            )
         elif data.ndim == 2 and tensor_qtype != Q.F32:
             w.add_tensor(gguf_name(name, arch), quantize(data, tensor_qtype), raw_dtype=tensor_qtype)
         else:
@@ -123,14 +156,18 @@ def test_float32_gguf_gives_the_original_models_logits(tiny_model, tmp_path):
     arch, model = tiny_model
     with torch.no_grad():
         expected = model(torch.tensor([TOKENS])).logits[0]
-    torch.testing.assert_close(our_logits(write_gguf(model, arch, tmp_path / "m.gguf", Q.F32)), expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        our_logits(write_gguf(model, arch, tmp_path / "m.gguf", Q.F32)), expected, atol=1e-4, rtol=0
+    )
 
 
 @pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q5_0, Q.Q4_0, Q.Q4_1])
 def test_quantized_gguf_matches_transformers_on_the_same_file(tiny_model, tmp_path, qtype):
     arch, model = tiny_model
     path = write_gguf(model, arch, tmp_path / "m.gguf", qtype)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32
+    )
     with torch.no_grad():
         expected = reference.eval()(torch.tensor([TOKENS])).logits[0]
     torch.testing.assert_close(our_logits(path), expected, atol=1e-4, rtol=0)
@@ -169,7 +206,10 @@ def test_gguf_names_map_to_hugging_face_names():
     assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
     assert hf_name("blk.1.ffn_norm.weight") == "model.layers.1.post_attention_layernorm.weight"
     assert hf_name("blk.1.ffn_norm.weight", "Gemma3ForCausalLM") == "model.layers.1.pre_feedforward_layernorm.weight"
-    assert hf_name("blk.1.post_attention_norm.weight", "Gemma3ForCausalLM") == "model.layers.1.post_attention_layernorm.weight"
+    assert (
+        hf_name("blk.1.post_attention_norm.weight", "Gemma3ForCausalLM")
+        == "model.layers.1.post_attention_layernorm.weight"
+    )
     with pytest.raises(ValueError, match="unsupported GGUF tensor"):
         hf_name("blk.0.ffn_gate_exps.weight")
 
@@ -178,14 +218,18 @@ def test_gguf_names_map_to_hugging_face_names():
 def wide_llama():
     """K-quants pack 256 values per block: every row must be a multiple of 256 long."""
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**{**TINY, "hidden_size": 256, "intermediate_size": 512}, tie_word_embeddings=False)
+    config = transformers.LlamaConfig(
+        **{**TINY, "hidden_size": 256, "intermediate_size": 512}, tie_word_embeddings=False
+    )
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K])
 def test_k_quant_gguf_matches_transformers_on_the_same_file(wide_llama, tmp_path, qtype):
     path = write_gguf(wide_llama, "llama", tmp_path / "m.gguf", qtype)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32
+    )
     with torch.no_grad():
         expected = reference.eval()(torch.tensor([TOKENS])).logits[0]
     ours = our_logits(path)

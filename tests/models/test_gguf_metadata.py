@@ -31,5 +31,9 @@ def test_metadata_and_tensors_equal_ggufs_own_reading(tmp_path):
     assert read_metadata(ours) == expected
     assert expected["test.tokens"][2] == "héllo" and expected["test.scores"] == [0.5, -1.25, 3.0]
     for mine, gguf_tensor in zip(ours.tensors, theirs.tensors, strict=True):
-        assert (mine.name, mine.tensor_type, mine.data_offset) == (gguf_tensor.name, gguf_tensor.tensor_type, gguf_tensor.data_offset)
+        assert (mine.name, mine.tensor_type, mine.data_offset) == (
+            gguf_tensor.name,
+            gguf_tensor.tensor_type,
+            gguf_tensor.data_offset,
+        )
         assert np.array_equal(mine.data, gguf_tensor.data)

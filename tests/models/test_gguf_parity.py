@@ -16,7 +16,10 @@ TOP = 5
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "Name three primary colours."}],
+    [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Name three primary colours."},
+    ],
     [
         {"role": "user", "content": "Hi! Who are you?"},
         {"role": "assistant", "content": "I am SmolLM, a small assistant."},
@@ -24,13 +27,19 @@ CONVERSATIONS = [
     ],
     [{"role": "user", "content": "用一句话介绍一下北京。"}],
 ]
-LONG_PROMPT = " ".join(
-    f"Section {i}: the river town of Ashford kept {i * 7 % 23} boats, {i * 3 % 11} mills and a bell that rang at dawn."
-    for i in range(110)
-) + " In summary, the town"
+LONG_PROMPT = (
+    " ".join(
+        (
+            f"Section {i}: the river town of Ashford kept {i * 7 % 23} boats, "
+            f"{i * 3 % 11} mills and a bell that rang at dawn."
+        )
+        for i in range(110)
+    )
+    + " In summary, the town"
+)
 RAW_PROMPTS = [
     "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "长城是中国古代的军事防御工程，",
     LONG_PROMPT,
 ]
@@ -86,7 +95,9 @@ def test_greedy_tokens_and_logprobs_match_transformers(llm_fp32, hf_reference):
             ref_top = ref_logprobs[step].topk(TOP).indices.tolist()
             if a != b:
                 # vLLM's check_logprobs_close: at the first divergence each token is in the other's top-k; stop there.
-                assert a in ref_top and b in ours.logprobs[step], f"prompt {prompt.get('prompt', '')[:40]!r} step {step}"
+                assert a in ref_top and b in ours.logprobs[step], (
+                    f"prompt {prompt.get('prompt', '')[:40]!r} step {step}"
+                )
                 diverged.append(prompt["prompt"][:40])
                 break
             assert abs(ours.logprobs[step][a].logprob - float(ref_logprobs[step][a])) < 1e-3
@@ -115,11 +126,15 @@ def test_greedy_tokens_with_a_penalty_match_transformers_generate(llm_fp32, hf_r
     # min_tokens as transformers' min_new_tokens: EOS banned throughout, on both sides
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, **control)
     outputs = llm_fp32.generate(batch, params, use_tqdm=False)
-    config = GenerationConfig(do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0, **control)
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0, **control
+    )
     for prompt, out in zip(batch, outputs):
         ids = torch.tensor([prompt["prompt_token_ids"]])
         with torch.no_grad():
-            expected = hf_model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)[0, ids.shape[1] :].tolist()
+            expected = hf_model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)[
+                0, ids.shape[1] :
+            ].tolist()
         assert out.outputs[0].token_ids == expected, prompt.get("prompt", "")[:40]
 
 

@@ -12,7 +12,9 @@ import torch
 from tokenloop.models.huge_pages import HUGE_PAGE, advise_huge_pages
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-needs_thp = pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages here")
+needs_thp = pytest.mark.skipif(
+    not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages here"
+)
 
 
 def vm_flags(address: int) -> set[str]:

@@ -13,9 +13,9 @@ from gguf.quants import dequantize, quantize
 
 from tests.helpers import forward_in_chunks
 from tests.models.test_gguf_loader import TOKENS, tiny_model, write_gguf  # noqa: F401 (tiny_model is a fixture)
-from tokenloop.models.loader import load_model
 from tokenloop import kernels
 from tokenloop.models.ggml_types import GGML_FORMATS
+from tokenloop.models.loader import load_model
 from tokenloop.models.quant import Int4Linear, Int5Linear, Int8Embedding, Int8Tensor
 
 Q = gguf.GGMLQuantizationType
@@ -49,7 +49,11 @@ def test_quantized_modules_run_the_kernel_where_it_can_and_float32_otherwise(cpu
         torch.testing.assert_close(head.logits(x), expected_logits)
 
 
-@pytest.mark.parametrize("qtype,cls", [(Q.Q4_0, Int4Linear), (Q.Q4_1, Int4Linear), (Q.Q5_0, Int5Linear)], ids=lambda v: getattr(v, "name", None) or v.__name__)
+@pytest.mark.parametrize(
+    "qtype,cls",
+    [(Q.Q4_0, Int4Linear), (Q.Q4_1, Int4Linear), (Q.Q5_0, Int5Linear)],
+    ids=lambda v: getattr(v, "name", None) or v.__name__,
+)
 def test_fast_path_keeps_gguf_4_and_5_bit_linears_and_stays_close_to_float32(tiny_model, tmp_path, qtype, cls):  # noqa: F811
     arch, model = tiny_model
     path = write_gguf(model, arch, tmp_path / "m.gguf", qtype)

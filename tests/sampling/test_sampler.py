@@ -17,13 +17,9 @@ from tokenloop.sampling.sampler import (
 sampler = Sampler()
 
 
-def make_batch(
-    params: list[SamplingParams], vocab: int, device: torch.device, generators=None
-) -> SamplingBatch:
+def make_batch(params: list[SamplingParams], vocab: int, device: torch.device, generators=None) -> SamplingBatch:
     if generators is None:
-        generators = [
-            None if p.seed is None else torch.Generator(device=device).manual_seed(p.seed) for p in params
-        ]
+        generators = [None if p.seed is None else torch.Generator(device=device).manual_seed(p.seed) for p in params]
     return SamplingBatch.from_params(params, generators, vocab, device)
 
 
@@ -204,7 +200,11 @@ def test_rank_counts_every_token_at_least_as_likely(device):
 def test_low_precision_logits_are_sampled_in_float32(device):
     vocab = 32
     logits = random_logits(3, vocab, device, seed=8).to(torch.bfloat16)
-    params = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(top_k=5, logprobs=1), SamplingParams(top_p=0.9)]
+    params = [
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(top_k=5, logprobs=1),
+        SamplingParams(top_p=0.9),
+    ]
     out = sampler(logits, make_batch(params, vocab, device))
     assert out.logprobs.dtype == torch.float32 and out.logprobs.shape == (3, 3)
     assert out.token_ids[0].item() == logits[0].float().argmax().item()

@@ -42,10 +42,14 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def client(self, api_key: str | None = None) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key or self.api_key or "unused", max_retries=0, timeout=60)
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key=api_key or self.api_key or "unused", max_retries=0, timeout=60
+        )
 
     def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "unused", max_retries=0, timeout=60)
+        return openai.AsyncOpenAI(
+            base_url=f"{self.url}/v1", api_key=self.api_key or "unused", max_retries=0, timeout=60
+        )
 
     def http(self) -> httpx.Client:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -72,13 +76,30 @@ def _free_port() -> int:
 def start_server(model_folder: Path, log: Path, *extra: str, api_key: str | None = None) -> Server:
     port = _free_port()
     cmd = [
-        sys.executable, "-m", "tokenloop.cli", "serve", "--model", str(model_folder), "--served-model-name", MODEL_NAME,
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--device", "cpu", *extra,
+        sys.executable,
+        "-m",
+        "tokenloop.cli",
+        "serve",
+        "--model",
+        str(model_folder),
+        "--served-model-name",
+        MODEL_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        *extra,
     ]
     if api_key:
         cmd += ["--api-key", api_key]
     with log.open("wb") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+        process = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"}
+        )
     server = Server(port, process, log, api_key)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -110,14 +131,22 @@ def stop_server(server: Server) -> None:
 
 @pytest.fixture(scope="session")
 def server(tiny_model_folder, tmp_path_factory):
-    s = start_server(tiny_model_folder, tmp_path_factory.mktemp("server") / "server.log", "--kv-cache-gb", str(KV_CACHE_GB))
+    s = start_server(
+        tiny_model_folder, tmp_path_factory.mktemp("server") / "server.log", "--kv-cache-gb", str(KV_CACHE_GB)
+    )
     yield s
     stop_server(s)
 
 
 @pytest.fixture(scope="session")
 def keyed_server(tiny_model_folder, tmp_path_factory):
-    s = start_server(tiny_model_folder, tmp_path_factory.mktemp("keyed_server") / "server.log", "--kv-cache-gb", "0.01", api_key=API_KEY)
+    s = start_server(
+        tiny_model_folder,
+        tmp_path_factory.mktemp("keyed_server") / "server.log",
+        "--kv-cache-gb",
+        "0.01",
+        api_key=API_KEY,
+    )
     yield s
     stop_server(s)
 
@@ -142,12 +171,18 @@ def server_pid_rss_mb(server: Server) -> float:
     raise AssertionError("no VmRSS in /proc/PID/status")
 
 
-
 @pytest.fixture(scope="session")
 def real_server(default_model_path, tmp_path_factory):
     """The default model (SmolLM2-135M-Instruct, fast path) behind the server: for what a random model cannot
     show (a model that writes a tool call, or JSON it was asked for, on its own)."""
-    s = start_server(default_model_path, tmp_path_factory.mktemp("real_server") / "server.log", "--dtype", "auto", "--kv-cache-gb", "0.25")
+    s = start_server(
+        default_model_path,
+        tmp_path_factory.mktemp("real_server") / "server.log",
+        "--dtype",
+        "auto",
+        "--kv-cache-gb",
+        "0.25",
+    )
     yield s
     stop_server(s)
 

@@ -4,10 +4,10 @@ flight untouched. The findings of the robustness campaign (issue 13), one test e
 
 from __future__ import annotations
 
-from http.client import HTTPConnection
 import json
 import threading
 import time
+from http.client import HTTPConnection
 
 import pytest
 
@@ -44,8 +44,15 @@ def test_best_of_returns_the_n_most_likely_of_best_of_completions(http):
     best = post(http, "completions", body | {"n": 2, "best_of": 4}).json()["choices"]
     assert [c["index"] for c in best] == [0, 1]
     assert [c["text"] for c in best] == [c["text"] for c in ranked[:2]]
-    streamed = [json.loads(line[6:]) for line in http.post("/v1/completions", json=body | {"n": 2, "best_of": 4, "stream": True}).text.splitlines() if line.startswith("data: {")]
-    assert sorted((c["choices"][0]["index"], c["choices"][0]["text"]) for c in streamed) == [(0, best[0]["text"]), (1, best[1]["text"])]
+    streamed = [
+        json.loads(line[6:])
+        for line in http.post("/v1/completions", json=body | {"n": 2, "best_of": 4, "stream": True}).text.splitlines()
+        if line.startswith("data: {")
+    ]
+    assert sorted((c["choices"][0]["index"], c["choices"][0]["text"]) for c in streamed) == [
+        (0, best[0]["text"]),
+        (1, best[1]["text"]),
+    ]
 
 
 def test_a_seed_beyond_64_bits_with_n_2_is_a_400_and_a_request_in_flight_completes_as_alone(server, http):
@@ -85,8 +92,16 @@ SURROGATES = {
     "prompt in a list": ("completions", b'{"prompt": ["ok", "Hi \\ud800"], "max_tokens": 4}', "prompt"),
     "streamed": ("completions", b'{"prompt": "Hi \\ud800", "max_tokens": 4, "stream": true}', "prompt"),
     "chat content": ("chat/completions", b'{"messages": [{"role": "user", "content": "Hi \\ud800"}]}', "messages"),
-    "chat text part": ("chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}', "messages"),
-    "chat extra field": ("chat/completions", b'{"messages": [{"role": "user", "content": "Hi", "name": "\\ud800"}]}', "messages"),
+    "chat text part": (
+        "chat/completions",
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}',
+        "messages",
+    ),
+    "chat extra field": (
+        "chat/completions",
+        b'{"messages": [{"role": "user", "content": "Hi", "name": "\\ud800"}]}',
+        "messages",
+    ),
     "stop": ("completions", b'{"prompt": "Hi", "stop": ["\\ud800"]}', "stop"),
     "model": ("completions", b'{"prompt": "Hi", "model": "\\ud800"}', "model"),
     "a key": ("completions", b'{"prompt": "Hi", "\\ud800": 1}', None),
@@ -100,7 +115,11 @@ def test_lone_surrogates_are_a_400_naming_the_field(http, route, raw, param):
     assert_still_serves(http)
 
 
-@pytest.mark.parametrize("raw", [b'{"prompt": "Hi \xed\xa0\x80", "max_tokens": 4}', b'{"prompt": "\xff\xfe", "max_tokens": 4}'], ids=["CESU-8 surrogate", "not UTF-8"])
+@pytest.mark.parametrize(
+    "raw",
+    [b'{"prompt": "Hi \xed\xa0\x80", "max_tokens": 4}', b'{"prompt": "\xff\xfe", "max_tokens": 4}'],
+    ids=["CESU-8 surrogate", "not UTF-8"],
+)
 def test_bytes_that_are_not_utf8_are_a_400(http, raw):
     assert_openai_error(post(http, "completions", raw), 400)
 
@@ -112,23 +131,51 @@ LAX = {
     "n true": ("completions", {"prompt": "Hi", "n": True}, "n"),
     "temperature 1e30": ("completions", {"prompt": "Hi", "temperature": 1e30}, "temperature"),
     "chat temperature 1e30": ("chat/completions", {"messages": HI, "temperature": 1e30}, "temperature"),
-    "text part not a string": ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": {"a": 1}}]}]}, "messages"),
-    "image part": ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    "text part not a string": (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": {"a": 1}}]}]},
+        "messages",
+    ),
+    "image part": (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        "messages",
+    ),
     "stream 1": ("completions", {"prompt": "Hi", "stream": 1}, "stream"),
     "stop a list of numbers": ("completions", {"prompt": "Hi", "stop": [1]}, "stop"),
     "max_tokens 10^9": ("completions", {"prompt": "Hi", "max_tokens": 10**9}, "max_tokens"),
     "chat max_tokens 10^9": ("chat/completions", {"messages": HI, "max_tokens": 10**9}, "max_tokens"),
-    "tools on completions": ("completions", {"prompt": "Hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    "tool name with a space": ("chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
+    "tools on completions": (
+        "completions",
+        {"prompt": "Hi", "tools": [{"type": "function", "function": {"name": "f"}}]},
+        "tools",
+    ),
+    "tool name with a space": (
+        "chat/completions",
+        {"messages": HI, "tools": [{"type": "function", "function": {"name": "a b"}}]},
+        "tools",
+    ),
     "audio output": ("chat/completions", {"messages": HI, "modalities": ["text", "audio"]}, "modalities"),
-    "response_format of an unknown type": ("chat/completions", {"messages": HI, "response_format": {"type": "yaml"}}, "response_format"),
+    "response_format of an unknown type": (
+        "chat/completions",
+        {"messages": HI, "response_format": {"type": "yaml"}},
+        "response_format",
+    ),
     "logit_bias above 100": ("completions", {"prompt": "Hi", "logit_bias": {"5": 101}}, "logit_bias"),
     "logit_bias key not a token id": ("completions", {"prompt": "Hi", "logit_bias": {"a": 1}}, "logit_bias"),
-    "logit_bias token outside the vocabulary": ("chat/completions", {"messages": HI, "logit_bias": {"99999999": 1}}, "logit_bias"),
+    "logit_bias token outside the vocabulary": (
+        "chat/completions",
+        {"messages": HI, "logit_bias": {"99999999": 1}},
+        "logit_bias",
+    ),
     "presence_penalty 2.5": ("completions", {"prompt": "Hi", "presence_penalty": 2.5}, "presence_penalty"),
     "repetition_penalty 0": ("completions", {"prompt": "Hi", "repetition_penalty": 0}, "repetition_penalty"),
     "min_tokens above max_tokens": ("completions", {"prompt": "Hi", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
-    "allowed_token_ids outside the vocabulary": ("completions", {"prompt": "Hi", "allowed_token_ids": [99999999]}, "allowed_token_ids"),
+    "allowed_token_ids outside the vocabulary": (
+        "completions",
+        {"prompt": "Hi", "allowed_token_ids": [99999999]},
+        "allowed_token_ids",
+    ),
     "bad_words blank": ("completions", {"prompt": "Hi", "bad_words": [" "]}, "bad_words"),
 }
 
@@ -145,14 +192,23 @@ def test_non_finite_numbers_are_a_400(http, literal):
 
 
 def test_whole_floats_are_taken_as_integers_and_neutral_values_of_unbuilt_fields_are_served(http):
-    response = post(http, "completions", {"prompt": "Hi", "max_tokens": 3.0, "n": 1.0, "tools": [], "logit_bias": {}, "ignore_eos": True})
+    response = post(
+        http,
+        "completions",
+        {"prompt": "Hi", "max_tokens": 3.0, "n": 1.0, "tools": [], "logit_bias": {}, "ignore_eos": True},
+    )
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
 
 
 def test_logits_processor_fields_are_honoured(http):
     def tokens(route, body):
-        response = post(http, route, {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0, **body} if route == "completions"
-                        else {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": True, **body})
+        response = post(
+            http,
+            route,
+            {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0, **body}
+            if route == "completions"
+            else {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": True, **body},
+        )
         assert response.status_code == 200, response.text
         choice = response.json()["choices"][0]  # (token, logprob): byte tokens all read "\ufffd", their logprobs differ
         if route == "completions":
@@ -165,19 +221,31 @@ def test_logits_processor_fields_are_honoured(http):
     assert len({t for t, _ in tokens("chat/completions", {"messages": HI, "allowed_token_ids": [7]})}) == 1
     two = {"messages": HI, "allowed_token_ids": [7, 9]}
     assert len({t for t, _ in tokens("chat/completions", two)}) == 1  # greedy: the likelier of the two, every time
-    assert len({t for t, _ in tokens("chat/completions", two | {"frequency_penalty": 2, "presence_penalty": 2})}) == 2  # repeats cost
+    assert (
+        len({t for t, _ in tokens("chat/completions", two | {"frequency_penalty": 2, "presence_penalty": 2})}) == 2
+    )  # repeats cost
 
 
 def test_a_request_after_an_error_on_the_same_keep_alive_connection_succeeds(server):
     conn = HTTPConnection("127.0.0.1", server.port, timeout=30)
     try:
-        for body in ({"prompt": "Hi \ud800"}, {"prompt": "Hi", "seed": 2**64}, {"prompt": "Hi", "n": 10**30}, {"prompt": "Hi", "model": "none"}):
+        for body in (
+            {"prompt": "Hi \ud800"},
+            {"prompt": "Hi", "seed": 2**64},
+            {"prompt": "Hi", "n": 10**30},
+            {"prompt": "Hi", "model": "none"},
+        ):
             conn.request("POST", "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
             response = conn.getresponse()
             response.read()
             assert response.status in (400, 404) and not response.will_close
             sock = conn.sock
-            conn.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 2}).encode(), {"Content-Type": "application/json"})
+            conn.request(
+                "POST",
+                "/v1/completions",
+                json.dumps({"prompt": "Hi", "max_tokens": 2}).encode(),
+                {"Content-Type": "application/json"},
+            )
             ok = conn.getresponse()
             assert ok.status == 200 and json.loads(ok.read())["choices"]
             assert conn.sock is sock  # the same connection, not a new one
@@ -193,7 +261,11 @@ def test_405_says_which_methods_are_allowed(http):
 
 def test_health_is_a_small_json_body_and_metrics_are_text(http):
     health = http.get("/health")
-    assert health.status_code == 200 and health.headers["content-type"] == "application/json" and health.json() == {"status": "ok"}
+    assert (
+        health.status_code == 200
+        and health.headers["content-type"] == "application/json"
+        and health.json() == {"status": "ok"}
+    )
     assert http.get("/metrics").headers["content-type"].startswith("text/plain")
 
 
@@ -205,7 +277,9 @@ def test_the_schema_documents_400_not_422_and_the_servers_bounds(http):
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/models"):
         responses = schema["paths"][path]["post" if "completions" in path else "get"]["responses"]
         for status in ("400", "401", "404", "429", "500", "503"):
-            assert responses[status]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}, (path, status)
+            assert responses[status]["content"]["application/json"]["schema"] == {
+                "$ref": "#/components/schemas/ErrorResponse"
+            }, (path, status)
     assert "text/plain" in schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     assert schema["paths"]["/health"]["get"]["responses"]["503"]
     request = schema["components"]["schemas"]["CompletionRequest"]
@@ -214,8 +288,13 @@ def test_the_schema_documents_400_not_422_and_the_servers_bounds(http):
 
 
 def test_2000_bad_requests_leave_memory_where_100_left_it(server, http):
-    bodies = [(route, body) for route, body, _ in BAD_REQUESTS.values()] + [(route, raw) for route, raw, _ in SURROGATES.values()]
-    bodies += [(route, body) for route, body, _ in LAX.values()] + [("completions", {"prompt": "Hi", "n": 10**30}), ("completions", {"prompt": "Hi", "seed": 2**64, "n": 2})]
+    bodies = [(route, body) for route, body, _ in BAD_REQUESTS.values()] + [
+        (route, raw) for route, raw, _ in SURROGATES.values()
+    ]
+    bodies += [(route, body) for route, body, _ in LAX.values()] + [
+        ("completions", {"prompt": "Hi", "n": 10**30}),
+        ("completions", {"prompt": "Hi", "seed": 2**64, "n": 2}),
+    ]
     after_100 = None
     for i in range(2000):
         route, body = bodies[i % len(bodies)]

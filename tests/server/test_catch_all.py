@@ -24,7 +24,9 @@ def test_an_exception_escaping_a_route_is_a_json_500():
         return {"ok": True}
 
     async def scenario():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=True), base_url="http://app") as client:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app, raise_app_exceptions=True), base_url="http://app"
+        ) as client:
             return await client.get("/boom"), await client.get("/fine")
 
     failed, served = asyncio.run(scenario())

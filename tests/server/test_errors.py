@@ -1,4 +1,5 @@
-"""Bad requests get OpenAI's error shape and status (400, 404, 401; never FastAPI's 422), and leave the server serving."""
+"""Bad requests get OpenAI's error shape and status (400, 404, 401; never FastAPI's 422), and leave the server
+serving."""
 
 from __future__ import annotations
 
@@ -23,7 +24,11 @@ BAD_REQUESTS = {
     "chat top_p 1.5": ("chat/completions", {"messages": HI, "top_p": 1.5}, "top_p"),
     "chat max_tokens 0": ("chat/completions", {"messages": HI, "max_tokens": 0}, "max_tokens"),
     "chat n 0": ("chat/completions", {"messages": HI, "n": 0}, "n"),
-    "chat top_logprobs 21": ("chat/completions", {"messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    "chat top_logprobs 21": (
+        "chat/completions",
+        {"messages": HI, "logprobs": True, "top_logprobs": 21},
+        "top_logprobs",
+    ),
     "token id = vocab size": ("completions", {"prompt": [5, 6, 400]}, "prompt"),
     "negative token id": ("completions", {"prompt": [5, -1]}, "prompt"),
     "empty prompt": ("completions", {"prompt": ""}, "prompt"),
@@ -92,7 +97,9 @@ def test_prompt_longer_than_the_context_names_both_lengths(http):
     error = assert_openai_error(http.post("/v1/completions", json={"prompt": [5] * 300, "max_tokens": 1}), 400)
     assert "300" in error["message"] and "256" in error["message"]
     long_text = "Hello world " * 200
-    error = assert_openai_error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": long_text}]}), 400)
+    error = assert_openai_error(
+        http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": long_text}]}), 400
+    )
     assert "256" in error["message"]
     assert_still_serves(http)
 
@@ -123,14 +130,20 @@ def test_a_body_over_the_limit_is_a_413_unread_and_the_server_goes_on(server):
     sent in chunks (no length) as it crosses the limit; a 7 MiB body is read and judged (its prompt is too long)."""
     big = b'{"prompt": "' + b"a" * (9 * 2**20) + b'"}'
     with httpx.Client(base_url=server.url, timeout=60) as http:
-        assert_openai_error(http.post("/v1/completions", content=big, headers={"Content-Type": "application/json"}), 413)
+        assert_openai_error(
+            http.post("/v1/completions", content=big, headers={"Content-Type": "application/json"}), 413
+        )
     with httpx.Client(base_url=server.url, timeout=60) as http:
         chunks = (big[i : i + 2**16] for i in range(0, len(big), 2**16))
-        error = assert_openai_error(http.post("/v1/completions", content=chunks, headers={"Content-Type": "application/json"}), 413)
+        error = assert_openai_error(
+            http.post("/v1/completions", content=chunks, headers={"Content-Type": "application/json"}), 413
+        )
         assert "--max-body-mb" in error["message"]
     with httpx.Client(base_url=server.url, timeout=60) as http:
         fits = b'{"prompt": "' + b"a " * (7 * 2**19) + b'", "max_tokens": 1}'
-        assert_openai_error(http.post("/v1/completions", content=fits, headers={"Content-Type": "application/json"}), 400, "prompt")
+        assert_openai_error(
+            http.post("/v1/completions", content=fits, headers={"Content-Type": "application/json"}), 400, "prompt"
+        )
         assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
 
 
@@ -152,9 +165,15 @@ def test_missing_or_wrong_api_key_is_a_401_while_health_needs_none(keyed_server)
 
 def test_openai_client_with_the_api_key_is_served_and_without_it_refused(keyed_server):
     assert [m.id for m in keyed_server.client().models.list().data] == [MODEL_NAME]
-    out = keyed_server.client().chat.completions.create(model=MODEL_NAME, messages=HI, max_tokens=3, extra_body={"ignore_eos": True})
+    out = keyed_server.client().chat.completions.create(
+        model=MODEL_NAME, messages=HI, max_tokens=3, extra_body={"ignore_eos": True}
+    )
     assert out.usage.completion_tokens == 3
-    chunks = list(keyed_server.client().completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=3, stream=True, extra_body={"ignore_eos": True}))
+    chunks = list(
+        keyed_server.client().completions.create(
+            model=MODEL_NAME, prompt="Hi", max_tokens=3, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
     assert chunks[-1].choices[0].finish_reason == "length"
     with pytest.raises(openai.AuthenticationError):
         keyed_server.client(api_key="wrong").models.list()

@@ -25,16 +25,31 @@ CHAT_TEXT = "<bos><start_of_turn>user\nWhat is the capital of France?<end_of_tur
 
 def long_prompt(first: int) -> str:
     """About 635 tokens: more than the 512-token window, and some whole 16-token blocks beyond it."""
-    return " ".join(
-        f"Section {i}: the river town of Ashford kept {i * 7 % 23} boats, {i * 3 % 11} mills and a bell that rang at dawn."
-        for i in range(first, first + 24)
-    ) + " In summary, the town"
+    return (
+        " ".join(
+            (
+                f"Section {i}: the river town of Ashford kept {i * 7 % 23} boats, "
+                f"{i * 3 % 11} mills and a bell that rang at dawn."
+            )
+            for i in range(first, first + 24)
+        )
+        + " In summary, the town"
+    )
 
 
 @pytest.fixture(scope="module")
 def server(gemma3_path, tmp_path_factory):
-    s = start_server(gemma3_path, tmp_path_factory.mktemp("gemma3_server") / "server.log",
-                     "--served-model-name", NAME, "--dtype", "auto", "--no-compile", "--kv-cache-gb", "0.1")
+    s = start_server(
+        gemma3_path,
+        tmp_path_factory.mktemp("gemma3_server") / "server.log",
+        "--served-model-name",
+        NAME,
+        "--dtype",
+        "auto",
+        "--no-compile",
+        "--kv-cache-gb",
+        "0.1",
+    )
     yield s
     stop_server(s)
 
@@ -57,7 +72,9 @@ def test_a_chat_completion_renders_gemmas_builtin_template(server, offline):
 
 def test_a_streamed_completion_reassembles_to_the_greedy_text(server, offline):
     params = dict(model=NAME, prompt="The capital of France is", temperature=0, max_tokens=24)
-    expected = offline.generate(params["prompt"], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
+    expected = offline.generate(params["prompt"], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[
+        0
+    ].outputs[0]
     whole = server.client().completions.create(**params)
     chunks = list(server.client().completions.create(**params, stream=True))
     deltas = [c.choices[0].text for c in chunks if c.choices]
@@ -87,8 +104,9 @@ def test_metrics_count_the_kv_of_sliding_layers_outside_their_window_while_a_lon
     """Read while the request decodes (the gauge counts running sequences). Each sliding layer (15 of 18) holds
     the blocks of positions more than 512 behind the newest token, never to read them again."""
     prompt_tokens = len(offline.get_tokenizer().encode(long_prompt(24)))
-    stream = server.client().completions.create(model=NAME, prompt=long_prompt(24), temperature=0, max_tokens=64, stream=True,
-                                                extra_body={"ignore_eos": True})
+    stream = server.client().completions.create(
+        model=NAME, prompt=long_prompt(24), temperature=0, max_tokens=64, stream=True, extra_body={"ignore_eos": True}
+    )
     chunks = iter(stream)
     # Two tokens in: the server reads the engine's state after delivering a step's tokens, so the state after the
     # first step (the prompt cached, the request running) is in the gauge by now, and 62 steps are still to run.
@@ -98,4 +116,6 @@ def test_metrics_count_the_kv_of_sliding_layers_outside_their_window_while_a_lon
         pass
     config, engine = offline.llm_engine.model_config, offline.llm_engine.config  # the server's: the same defaults
     lengths = range(prompt_tokens, prompt_tokens + 65)
-    assert idle > 0 and idle in {sliding_window_idle_bytes(config, engine.block_size, engine.kv_cache_dtype, [n]) for n in lengths}
+    assert idle > 0 and idle in {
+        sliding_window_idle_bytes(config, engine.block_size, engine.kv_cache_dtype, [n]) for n in lengths
+    }

@@ -21,7 +21,15 @@ STALL = 396
 @pytest.fixture(scope="module")
 def faulty_server(tiny_model_folder, tmp_path_factory):
     faults = [arg for stage, token in FAULTS.items() for arg in ("--inject-fault", f"{stage}:{token}")]
-    s = start_server(tiny_model_folder, tmp_path_factory.mktemp("faulty") / "server.log", "--kv-cache-gb", "0.01", *faults, "--inject-fault", f"stall:{STALL}")
+    s = start_server(
+        tiny_model_folder,
+        tmp_path_factory.mktemp("faulty") / "server.log",
+        "--kv-cache-gb",
+        "0.01",
+        *faults,
+        "--inject-fault",
+        f"stall:{STALL}",
+    )
     yield s
     stop_server(s)
 
@@ -33,12 +41,22 @@ def prompts_of_31() -> list[list[int]]:
 async def complete_all(server, prompts, stream: bool):
     """Token ids of each prompt's greedy completion (None for one that failed, with its error)."""
     async with server.async_client() as client:
+
         async def one(prompt):
-            kw = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 16, "temperature": 0, "logprobs": 0, "extra_body": {"ignore_eos": True}}
+            kw = {
+                "model": MODEL_NAME,
+                "prompt": prompt,
+                "max_tokens": 16,
+                "temperature": 0,
+                "logprobs": 0,
+                "extra_body": {"ignore_eos": True},
+            }
             try:
                 if stream:
                     chunks = [c async for c in await client.completions.create(stream=True, **kw)]
-                    return "".join(c.choices[0].text for c in chunks), [t for c in chunks for t in c.choices[0].logprobs.tokens]
+                    return "".join(c.choices[0].text for c in chunks), [
+                        t for c in chunks for t in c.choices[0].logprobs.tokens
+                    ]
                 out = await client.completions.create(**kw)
                 return out.choices[0].text, out.choices[0].logprobs.tokens
             except Exception as e:
@@ -63,13 +81,27 @@ def test_a_request_failing_in_the_engine_fails_alone_among_32(faulty_server, sta
 def test_an_engine_failure_is_a_json_500_on_a_connection_that_stays_usable(faulty_server):
     conn = HTTPConnection("127.0.0.1", faulty_server.port, timeout=30)
     try:
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": [5, FAULTS["sample"]], "max_tokens": 4}), {"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps({"prompt": [5, FAULTS["sample"]], "max_tokens": 4}),
+            {"Content-Type": "application/json"},
+        )
         response = conn.getresponse()
         body = json.loads(response.read())
-        assert response.status == 500 and body["error"]["type"] == "internal_server_error" and "injected fault" in body["error"]["message"]
+        assert (
+            response.status == 500
+            and body["error"]["type"] == "internal_server_error"
+            and "injected fault" in body["error"]["message"]
+        )
         assert not response.will_close
         sock = conn.sock
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": [5, 6], "max_tokens": 4}), {"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps({"prompt": [5, 6], "max_tokens": 4}),
+            {"Content-Type": "application/json"},
+        )
         ok = conn.getresponse()
         assert ok.status == 200 and json.loads(ok.read())["choices"] and conn.sock is sock
     finally:
@@ -78,7 +110,9 @@ def test_an_engine_failure_is_a_json_500_on_a_connection_that_stays_usable(fault
 
 def test_a_streamed_engine_failure_ends_with_an_error_event_and_done(faulty_server):
     with faulty_server.http() as http:
-        lines = http.post("/v1/completions", json={"prompt": [5, FAULTS["detokenize"]], "max_tokens": 4, "stream": True}).text.splitlines()
+        lines = http.post(
+            "/v1/completions", json={"prompt": [5, FAULTS["detokenize"]], "max_tokens": 4, "stream": True}
+        ).text.splitlines()
     events = [line[6:] for line in lines if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and "injected fault" in json.loads(events[-2])["error"]["message"]
 
@@ -89,7 +123,11 @@ def test_health_is_503_within_5_s_of_a_stuck_step_loop_and_200_after(faulty_serv
         with faulty_server.http() as other:
             start = time.monotonic()
             done = {}
-            thread = threading.Thread(target=lambda: done.setdefault("r", other.post("/v1/completions", json={"prompt": [5, STALL], "max_tokens": 2})))
+            thread = threading.Thread(
+                target=lambda: done.setdefault(
+                    "r", other.post("/v1/completions", json={"prompt": [5, STALL], "max_tokens": 2})
+                )
+            )
             thread.start()
             while (health := http.get("/health")).status_code == 200:
                 assert time.monotonic() - start < 5, "no 503 within 5 s of the stall"
@@ -105,7 +143,9 @@ def test_a_dead_step_loop_ends_every_stream_says_503_and_exits_non_zero(long_con
     the running stream gets an error event and [DONE], /health answers 503, and the process exits with status 1 so
     that a supervisor restarts it."""
     die = 395
-    s = start_server(long_context_model_folder, tmp_path / "server.log", "--kv-cache-gb", "0.01", "--inject-fault", f"die:{die}")
+    s = start_server(
+        long_context_model_folder, tmp_path / "server.log", "--kv-cache-gb", "0.01", "--inject-fault", f"die:{die}"
+    )
     try:
         with s.http() as http, s.http() as other:
             body = {"prompt": [5, 6, 7], "max_tokens": 2000, "stream": True, "ignore_eos": True}

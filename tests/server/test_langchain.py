@@ -26,7 +26,15 @@ class GetWeather(BaseModel):
 
 
 def chat_model(real_server, **kw):
-    return langchain_openai.ChatOpenAI(base_url=f"{real_server.url}/v1", api_key="unused", model=MODEL_NAME, temperature=0, max_tokens=200, max_retries=0, **kw)
+    return langchain_openai.ChatOpenAI(
+        base_url=f"{real_server.url}/v1",
+        api_key="unused",
+        model=MODEL_NAME,
+        temperature=0,
+        max_tokens=200,
+        max_retries=0,
+        **kw,
+    )
 
 
 def test_with_structured_output_returns_the_pydantic_model(real_server):
@@ -35,7 +43,11 @@ def test_with_structured_output_returns_the_pydantic_model(real_server):
 
 
 def test_bind_tools_returns_a_parsed_tool_call(real_server):
-    message = chat_model(real_server).bind_tools([GetWeather], tool_choice="GetWeather").invoke("What is the weather in Paris?")
+    message = (
+        chat_model(real_server)
+        .bind_tools([GetWeather], tool_choice="GetWeather")
+        .invoke("What is the weather in Paris?")
+    )
     (call,) = message.tool_calls
     assert call["name"] == "GetWeather"
     GetWeather(**call["args"])  # validates

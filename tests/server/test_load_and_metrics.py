@@ -10,8 +10,18 @@ import pytest
 
 from tests.server.conftest import MODEL_NAME
 
-LATENCY_HISTOGRAMS = ("tokenloop_time_to_first_token_seconds", "tokenloop_inter_token_latency_seconds", "tokenloop_e2e_request_latency_seconds")
-GAUGES = ("tokenloop_num_requests_running", "tokenloop_num_requests_waiting", "tokenloop_kv_cache_blocks_in_use", "tokenloop_kv_cache_blocks_total", "tokenloop_prefix_cache_hit_rate")
+LATENCY_HISTOGRAMS = (
+    "tokenloop_time_to_first_token_seconds",
+    "tokenloop_inter_token_latency_seconds",
+    "tokenloop_e2e_request_latency_seconds",
+)
+GAUGES = (
+    "tokenloop_num_requests_running",
+    "tokenloop_num_requests_waiting",
+    "tokenloop_kv_cache_blocks_in_use",
+    "tokenloop_kv_cache_blocks_total",
+    "tokenloop_prefix_cache_hit_rate",
+)
 COUNTERS = ("tokenloop_prompt_tokens_total", "tokenloop_generation_tokens_total", "tokenloop_num_preemptions_total")
 
 
@@ -20,7 +30,12 @@ def wait_until_idle(server, timeout_s: float = 15) -> dict[str, float]:
     deadline = time.monotonic() + timeout_s
     while True:
         m = server.metrics()
-        idle = m["tokenloop_num_requests_running"] == m["tokenloop_num_requests_waiting"] == m["tokenloop_kv_cache_blocks_in_use"] == 0
+        idle = (
+            m["tokenloop_num_requests_running"]
+            == m["tokenloop_num_requests_waiting"]
+            == m["tokenloop_kv_cache_blocks_in_use"]
+            == 0
+        )
         if idle:
             return m
         assert time.monotonic() < deadline, f"still busy after {timeout_s} s: {m}"
@@ -33,11 +48,20 @@ def test_32_concurrent_streams_all_complete_even_with_preemption(server, client)
 
     async def one(aclient, prompt):
         stream = await aclient.completions.create(
-            model=MODEL_NAME, prompt=prompt, max_tokens=16, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            model=MODEL_NAME,
+            prompt=prompt,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
         )
         chunks = [c async for c in stream]
-        return "".join(c.choices[0].text for c in chunks if c.choices), chunks[-2].choices[0].finish_reason, chunks[-1].usage
+        return (
+            "".join(c.choices[0].text for c in chunks if c.choices),
+            chunks[-2].choices[0].finish_reason,
+            chunks[-1].usage,
+        )
 
     async def all_at_once():
         async with server.async_client() as aclient:
@@ -51,13 +75,27 @@ def test_32_concurrent_streams_all_complete_even_with_preemption(server, client)
     assert after["tokenloop_kv_cache_blocks_total"] < 64
     assert after["tokenloop_num_preemptions_total"] > before["tokenloop_num_preemptions_total"]
     # Batched, preempted and recomputed, each stream still says what the request alone says.
-    alone = [client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
+    alone = [
+        client.completions.create(
+            model=MODEL_NAME, prompt=p, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+        for p in prompts
+    ]
     assert [text for text, _, _ in results] == alone
 
 
 def test_client_leaving_a_stream_aborts_its_request_and_frees_its_blocks(server):
     before = wait_until_idle(server)
-    body = {"model": MODEL_NAME, "prompt": "Hello world", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "Hello world",
+        "max_tokens": 200,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.Client(base_url=server.url, timeout=30) as http:
         with http.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200
@@ -81,7 +119,14 @@ def test_client_timing_out_on_a_non_streamed_request_aborts_it(which, request):
     before = wait_until_idle(server)
     # 128 x 250 tokens take seconds (32 x 250 ran in 0.4 s on a fast machine, before the first check); the server
     # checks for a gone client every 0.5 s.
-    body = {"model": MODEL_NAME, "prompt": "Hello world", "max_tokens": 250, "n": 128, "temperature": 1, "ignore_eos": True}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "Hello world",
+        "max_tokens": 250,
+        "n": 128,
+        "temperature": 1,
+        "ignore_eos": True,
+    }
     with server.http() as http:
         try:
             http.post("/v1/completions", json=body, timeout=0.3)
@@ -94,11 +139,18 @@ def test_client_timing_out_on_a_non_streamed_request_aborts_it(which, request):
 
 
 def test_metrics_count_tokens_latencies_and_prefix_cache_hits(server, client, hf_tokenizer):
-    prompt = "The quick brown fox jumps over the lazy dog. " * 4  # several full KV blocks: a prefix-cache hit the second time
+    prompt = (
+        "The quick brown fox jumps over the lazy dog. " * 4
+    )  # several full KV blocks: a prefix-cache hit the second time
     n_prompt = len(hf_tokenizer.encode(prompt))
     assert n_prompt >= 32
     before = wait_until_idle(server)
-    outs = [client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}) for _ in range(2)]
+    outs = [
+        client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+        )
+        for _ in range(2)
+    ]
     assert outs[1].usage.prompt_tokens_details.cached_tokens >= 16
     after = wait_until_idle(server)
 
@@ -112,7 +164,9 @@ def test_metrics_count_tokens_latencies_and_prefix_cache_hits(server, client, hf
     assert delta("tokenloop_e2e_request_latency_seconds_count") == 2
     assert delta("tokenloop_e2e_request_latency_seconds_sum") > 0
     assert after["tokenloop_prefix_cache_hit_rate"] > 0
-    for name in GAUGES + COUNTERS + tuple(f"{h}_{part}" for h in LATENCY_HISTOGRAMS for part in ("count", "sum", "bucket")):
+    for name in (
+        GAUGES + COUNTERS + tuple(f"{h}_{part}" for h in LATENCY_HISTOGRAMS for part in ("count", "sum", "bucket"))
+    ):
         assert name in after, name
 
 

@@ -23,11 +23,14 @@ def chat(client, messages=MESSAGES, **kw):
 
 
 def chat_prompt_ids(hf_tokenizer, messages) -> list[int]:
-    return hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    return hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+        "input_ids"
+    ]
 
 
 def pick_stop(text: str) -> tuple[str, int]:
-    """A 2-character stop string that first occurs at position >= 2 of `text` (no U+FFFD, whose bytes may still change)."""
+    """A 2-character stop string that first occurs at position >= 2 of `text` (no U+FFFD, whose bytes may still
+    change)."""
     for k in range(2, len(text) - 1):
         stop = text[k : k + 2]
         if "\ufffd" not in stop and stop.strip() and text.find(stop) == k:
@@ -62,7 +65,9 @@ def test_chat_stops_at_max_tokens_with_usage_counted_like_the_chat_template(clie
 
 
 def test_max_completion_tokens_limits_a_chat_like_max_tokens(client):
-    out = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    out = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert out.usage.completion_tokens == 5 and out.choices[0].finish_reason == "length"
 
 
@@ -241,7 +246,9 @@ def test_echo_with_logprobs_scores_the_prompt_as_sampling_would_see_each_token(c
         assert forced.choices[0].logprobs.token_logprobs[0] == pytest.approx(lp.token_logprobs[i], abs=1e-4)
     assert all(len(top) >= 2 for top in lp.top_logprobs[1:])
     streamed = list(complete(client, prompt=text, max_tokens=1, echo=True, logprobs=2, stream=True))
-    assert sum((c.choices[0].logprobs.token_logprobs for c in streamed), []) == pytest.approx(lp.token_logprobs, abs=1e-6)
+    assert sum((c.choices[0].logprobs.token_logprobs for c in streamed), []) == pytest.approx(
+        lp.token_logprobs, abs=1e-6
+    )
 
 
 def test_prompt_logprobs_field_returns_vllm_shaped_entries(client, hf_tokenizer):
@@ -252,12 +259,20 @@ def test_prompt_logprobs_field_returns_vllm_shaped_entries(client, hf_tokenizer)
     for token_id, entry in zip(ids[1:], entries[1:]):
         assert str(token_id) in entry and {"logprob", "rank", "decoded_token"} <= set(entry[str(token_id)])
     chatted = chat(client, max_tokens=2, extra_body={"prompt_logprobs": 0})
-    assert chatted.model_extra["prompt_logprobs"][0] is None and len(chatted.model_extra["prompt_logprobs"]) == chatted.usage.prompt_tokens
+    assert (
+        chatted.model_extra["prompt_logprobs"][0] is None
+        and len(chatted.model_extra["prompt_logprobs"]) == chatted.usage.prompt_tokens
+    )
 
 
 def test_continue_final_message_continues_the_assistant_reply(client):
     prefilled = MESSAGES + [{"role": "assistant", "content": "Sure: here"}]
-    out = chat(client, messages=prefilled, max_tokens=4, extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    out = chat(
+        client,
+        messages=prefilled,
+        max_tokens=4,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
     fresh = chat(client, messages=prefilled, max_tokens=4)
     assert out.usage.prompt_tokens < fresh.usage.prompt_tokens  # no end of turn, no new assistant header
     with pytest.raises(openai.BadRequestError) as e:
@@ -270,9 +285,15 @@ def test_use_beam_search_returns_the_n_best_of_best_of_beams(client):
     assert [c.index for c in out.choices] == [0, 1] and out.choices[0].text != out.choices[1].text
     again = complete(client, max_tokens=8, n=2, extra_body={"use_beam_search": True, "best_of": 4})
     assert [c.text for c in again.choices] == [c.text for c in out.choices]  # deterministic
-    for extra, param in [({"temperature": 0.7}, "temperature"), ({"logprobs": 2}, "logprobs"), ({"stream": True}, "stream")]:
+    for extra, param in [
+        ({"temperature": 0.7}, "temperature"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"stream": True}, "stream"),
+    ]:
         with pytest.raises(openai.BadRequestError) as e:
-            client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, extra_body={"use_beam_search": True}, **extra)
+            client.completions.create(
+                model=MODEL_NAME, prompt=PROMPT, max_tokens=4, extra_body={"use_beam_search": True}, **extra
+            )
         assert e.value.body["param"] == param
     with pytest.raises(openai.BadRequestError) as e:
         complete(client, extra_body={"length_penalty": 2.0})

@@ -3,8 +3,8 @@ operation): no 5xx, and no response that contradicts the schema.
 
 Some rules are beyond JSON Schema, which bounds each field alone: the prompt's tokens plus max_tokens must fit the
 context, best_of must be at least n, min_tokens at most max_tokens, logit_bias's keys (strings) must be token ids
-of the vocabulary, and a structured-output spec must be one llguidance compiles. A 400 saying one of these is the one rejection of schema-valid data accepted here; every
-other finding fails."""
+of the vocabulary, and a structured-output spec must be one llguidance compiles. A 400 saying one of these is the
+one rejection of schema-valid data accepted here; every other finding fails."""
 
 from __future__ import annotations
 
@@ -19,26 +19,42 @@ from tests.server.conftest import start_server, stop_server
 
 pytest.importorskip("schemathesis")
 # and the grammar compiler's verdict on a spec's content: a JSON schema it cannot honour, a bad regex or Lark grammar
-CROSS_FIELD_RULES = ("beyond the context length", "best_of must be at least n", "must not exceed max_tokens", "logit_bias has token ids out of the vocabulary",
-                     "structured_outputs.json: ", "structured_outputs.regex: ", "structured_outputs.grammar: ",
-                     # tools: what a schema cannot say (tool_choice naming one of the tools, unique names, a
-                     # parameters schema llguidance can compile); and the prompt the tools' listing makes
-                     "which is not among the tools", "function names must be unique", "tools constrain the reply already",
-                     ".function.parameters: ", "no room for one more within",
-                     # beam search and self-consistency take only their own fields
-                     "not supported with use_beam_search", "not supported with self_consistency",
-                     "self_consistency: ", "self_consistency.answer", "self_consistency takes one prompt")
+CROSS_FIELD_RULES = (
+    "beyond the context length",
+    "best_of must be at least n",
+    "must not exceed max_tokens",
+    "logit_bias has token ids out of the vocabulary",
+    "structured_outputs.json: ",
+    "structured_outputs.regex: ",
+    "structured_outputs.grammar: ",
+    # tools: what a schema cannot say (tool_choice naming one of the tools, unique names, a
+    # parameters schema llguidance can compile); and the prompt the tools' listing makes
+    "which is not among the tools",
+    "function names must be unique",
+    "tools constrain the reply already",
+    ".function.parameters: ",
+    "no room for one more within",
+    # beam search and self-consistency take only their own fields
+    "not supported with use_beam_search",
+    "not supported with self_consistency",
+    "self_consistency: ",
+    "self_consistency.answer",
+    "self_consistency takes one prompt",
+)
 
 
 @pytest.fixture(scope="module")
 def fuzzed_server(tiny_model_folder, tmp_path_factory):
-    s = start_server(tiny_model_folder, tmp_path_factory.mktemp("fuzzed") / "server.log", "--kv-cache-gb", "0.01", "--max-n", "4")
+    s = start_server(
+        tiny_model_folder, tmp_path_factory.mktemp("fuzzed") / "server.log", "--kv-cache-gb", "0.01", "--max-n", "4"
+    )
     yield s
     stop_server(s)
 
 
 def findings(report: str):
-    """(check, status code, response body) of every failed check, and every status code answered, from an NDJSON report."""
+    """(check, status code, response body) of every failed check, and every status code answered, from an NDJSON
+    report."""
     failed, statuses = [], []
     for line in report.splitlines():
         event = json.loads(line)
@@ -58,13 +74,32 @@ def findings(report: str):
 
 def test_schemathesis_finds_no_server_error_and_no_schema_violation(fuzzed_server, tmp_path):
     cmd = [
-        sys.executable, "-c", "from schemathesis.cli import schemathesis; schemathesis()", "run", f"{fuzzed_server.url}/openapi.json", "--checks", "all", "--seed", "1",
-        "--max-examples", "30", "--workers", "1", "--request-timeout", "30", "--report", "ndjson", "--report-dir", str(tmp_path),
+        sys.executable,
+        "-c",
+        "from schemathesis.cli import schemathesis; schemathesis()",
+        "run",
+        f"{fuzzed_server.url}/openapi.json",
+        "--checks",
+        "all",
+        "--seed",
+        "1",
+        "--max-examples",
+        "30",
+        "--workers",
+        "1",
+        "--request-timeout",
+        "30",
+        "--report",
+        "ndjson",
+        "--report-dir",
+        str(tmp_path),
     ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     (report,) = tmp_path.glob("*.ndjson")
     failed, statuses = findings(report.read_text())
     assert len(statuses) > 200, run.stdout[-3000:]  # it really ran
     assert all(status < 500 for status in statuses), run.stdout[-5000:]
-    unexpected = [f for f in failed if not (f[0] == "ST202" and f[1] == 400 and any(rule in f[2] for rule in CROSS_FIELD_RULES))]
+    unexpected = [
+        f for f in failed if not (f[0] == "ST202" and f[1] == 400 and any(rule in f[2] for rule in CROSS_FIELD_RULES))
+    ]
     assert not unexpected, (unexpected, run.stdout[-5000:])

@@ -32,13 +32,26 @@ def read_stream(url: str, body: dict, events: list, first: threading.Event) -> N
 
 def test_sigterm_with_16_streams_ends_each_with_a_last_chunk_and_done_and_exits_0(long_context_model_folder, tmp_path):
     server = start_server(
-        long_context_model_folder, tmp_path / "server.log", "--kv-cache-gb", "0.05", "--max-num-seqs", "8",
-        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
+        long_context_model_folder,
+        tmp_path / "server.log",
+        "--kv-cache-gb",
+        "0.05",
+        "--max-num-seqs",
+        "8",
+        "--shutdown-timeout",
+        str(SHUTDOWN_TIMEOUT_S),
     )
     streams = [([], threading.Event()) for _ in range(16)]
     threads = []
     for i, (events, first) in enumerate(streams):
-        body = {"model": MODEL_NAME, "prompt": [5 + i, 6, 7], "max_tokens": 3000, "temperature": 0, "ignore_eos": True, "stream": True}
+        body = {
+            "model": MODEL_NAME,
+            "prompt": [5 + i, 6, 7],
+            "max_tokens": 3000,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         threads.append(threading.Thread(target=read_stream, args=(server.url, body, events, first)))
         threads[-1].start()
     for events, first in streams[:8]:  # the first 8 run (the other 8 wait for a seat)
@@ -70,11 +83,26 @@ def test_sigterm_with_16_streams_ends_each_with_a_last_chunk_and_done_and_exits_
 
 def test_requests_beyond_max_waiting_get_a_429_with_retry_after(long_context_model_folder, tmp_path):
     server = start_server(
-        long_context_model_folder, tmp_path / "server.log", "--kv-cache-gb", "0.05", "--max-num-seqs", "1", "--max-waiting", "2",
-        "--shutdown-timeout", "0.5",
+        long_context_model_folder,
+        tmp_path / "server.log",
+        "--kv-cache-gb",
+        "0.05",
+        "--max-num-seqs",
+        "1",
+        "--max-waiting",
+        "2",
+        "--shutdown-timeout",
+        "0.5",
     )
     streams = [([], threading.Event()) for _ in range(3)]
-    body = {"model": MODEL_NAME, "prompt": [5, 6], "max_tokens": 4000, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": [5, 6],
+        "max_tokens": 4000,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     threads = [threading.Thread(target=read_stream, args=(server.url, body, *stream)) for stream in streams]
     try:
         threads[0].start()

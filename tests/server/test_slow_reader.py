@@ -17,14 +17,28 @@ from tests.server.conftest import MODEL_NAME, server_pid_rss_mb, start_server, s
 
 SLOW_BYTES_PER_S = 256
 SLOW_FOR_S = 60
-SLOW_BODY = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 4000, "temperature": 0, "ignore_eos": True, "stream": True}
+SLOW_BODY = {
+    "model": MODEL_NAME,
+    "prompt": [5, 6, 7],
+    "max_tokens": 4000,
+    "temperature": 0,
+    "ignore_eos": True,
+    "stream": True,
+}
 
 
 @pytest.fixture(scope="module")
 def long_server(long_context_model_folder, tmp_path_factory):
     # A small KV pool (1,280 blocks): pages of the pool that a run touches become resident, and a large one would
     # grow the RSS by what the cache holds, not by what the server buffers.
-    s = start_server(long_context_model_folder, tmp_path_factory.mktemp("long") / "server.log", "--kv-cache-gb", "0.01", "--shutdown-timeout", "5")
+    s = start_server(
+        long_context_model_folder,
+        tmp_path_factory.mktemp("long") / "server.log",
+        "--kv-cache-gb",
+        "0.01",
+        "--shutdown-timeout",
+        "5",
+    )
     yield s
     stop_server(s)
 
@@ -49,8 +63,10 @@ def open_slow_stream(server) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the server's writes back up
     sock.connect(("127.0.0.1", server.port))
     body = json.dumps(SLOW_BODY).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+    )
     return sock
 
 
@@ -62,11 +78,20 @@ def read_all(sock: socket.socket) -> bytes:
 
 
 async def itl_of_16_streams(server, until: threading.Event | None = None, max_tokens: int = 200) -> float:
-    """Median gap between the chunks of 16 concurrent streams, in seconds: one round of them, or rounds until `until`."""
+    """Median gap between the chunks of 16 concurrent streams, in seconds: one round of them, or rounds until
+    `until`."""
     gaps: list[float] = []
     async with server.async_client() as client:
+
         async def one(i):
-            stream = await client.completions.create(model=MODEL_NAME, prompt=[10 + i, 11], max_tokens=max_tokens, temperature=0, stream=True, extra_body={"ignore_eos": True})
+            stream = await client.completions.create(
+                model=MODEL_NAME,
+                prompt=[10 + i, 11],
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
             times = [time.perf_counter() async for _ in stream]
             gaps.extend(b - a for a, b in zip(times, times[1:]))
 
@@ -98,7 +123,9 @@ def read_slowly(long_server, sock: socket.socket, rss_before: float):
     """Read the stream at 256 bytes/s for 60 s while rounds of 16 other streams run, then the rest at full speed."""
     received, peak_rss, paused_seen = b"", rss_before, 0.0
     itl, slow_phase_over = {}, threading.Event()
-    others = threading.Thread(target=lambda: itl.setdefault("during", asyncio.run(itl_of_16_streams(long_server, slow_phase_over))))
+    others = threading.Thread(
+        target=lambda: itl.setdefault("during", asyncio.run(itl_of_16_streams(long_server, slow_phase_over)))
+    )
     others.start()  # rounds of 16 streams all through the slow read
     start = time.monotonic()
     while time.monotonic() - start < SLOW_FOR_S:

@@ -17,8 +17,14 @@ PROMPT = "Hello world! Hello tokenizers, hello templates. " * 3
 
 @pytest.fixture(scope="module")
 def spec_server(tiny_model_folder, tmp_path_factory):
-    s = start_server(tiny_model_folder, tmp_path_factory.mktemp("spec_server") / "server.log", "--kv-cache-gb", "0.01",
-                     "--speculative-config", json.dumps(CONFIG))
+    s = start_server(
+        tiny_model_folder,
+        tmp_path_factory.mktemp("spec_server") / "server.log",
+        "--kv-cache-gb",
+        "0.01",
+        "--speculative-config",
+        json.dumps(CONFIG),
+    )
     yield s
     stop_server(s)
 
@@ -38,7 +44,11 @@ def test_tokens_equal_a_plain_servers_and_usage_says_what_was_accepted(spec_serv
 
 def test_a_streamed_chat_gets_it_in_its_usage_chunk(spec_server):
     stream = spec_server.client().chat.completions.create(
-        model=MODEL_NAME, messages=[{"role": "user", "content": PROMPT}], max_tokens=30, temperature=0, stream=True,
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=30,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True},
     )
     chunks = list(stream)
@@ -53,13 +63,30 @@ def test_prometheus_counts_drafts_and_accepted_tokens(spec_server):
     assert "tokenloop_spec_decode_num_accepted_tokens_per_pos_total" in m and "tokenloop_spec_decode_draft_length" in m
 
 
-@pytest.mark.parametrize("config, message", [
-    ('{"method": "eagle"}', "speculative_config.method must be one of ngram, draft"),
-    ('{"method": "ngram", "num_speculative_tokens": 32}', r"num_speculative_tokens must be an integer in \[1, 16\]"),
-    ("{method: ngram}", "--speculative-config: not JSON"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ('{"method": "eagle"}', "speculative_config.method must be one of ngram, draft"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 32}',
+            r"num_speculative_tokens must be an integer in \[1, 16\]",
+        ),
+        ("{method: ngram}", "--speculative-config: not JSON"),
+    ],
+)
 def test_a_bad_config_stops_the_server_at_start_up(tiny_model_folder, config, message):
-    cmd = [sys.executable, "-m", "tokenloop.cli", "serve", "--model", str(tiny_model_folder), "--port", "0", "--speculative-config", config]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokenloop.cli",
+        "serve",
+        "--model",
+        str(tiny_model_folder),
+        "--port",
+        "0",
+        "--speculative-config",
+        config,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert __import__("re").search(message, proc.stderr), proc.stderr

@@ -16,12 +16,27 @@ from tokenloop.tools.calling import ToolCalling, format_call, render_tools
 from tokenloop.tools.parser import parse_reply
 
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Za-z]{1,8}$"}, "unit": {"enum": ["c", "f"]}},
-           "required": ["city", "unit"], "additionalProperties": False}
-COUNT = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"], "additionalProperties": False}
-NESTED = {"$defs": {"pt": {"type": "array", "items": {"type": "integer", "minimum": -9, "maximum": 9}, "minItems": 2, "maxItems": 2}},
-          "type": "object", "properties": {"from": {"$ref": "#/$defs/pt"}, "to": {"$ref": "#/$defs/pt"}, "fast": {"type": "boolean"}},
-          "required": ["from", "to"], "additionalProperties": False}
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "pattern": "^[A-Za-z]{1,8}$"}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+COUNT = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["n"],
+    "additionalProperties": False,
+}
+NESTED = {
+    "$defs": {
+        "pt": {"type": "array", "items": {"type": "integer", "minimum": -9, "maximum": 9}, "minItems": 2, "maxItems": 2}
+    },
+    "type": "object",
+    "properties": {"from": {"$ref": "#/$defs/pt"}, "to": {"$ref": "#/$defs/pt"}, "fast": {"type": "boolean"}},
+    "required": ["from", "to"],
+    "additionalProperties": False,
+}
 NOTHING = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
@@ -47,20 +62,35 @@ def assert_valid_calls(message, names=None) -> None:
 
 
 # Ten cases: required or named, over four tools, seeds and temperatures, parallel calls on and off.
-CASES = [("required", 0, 1, True), ("required", 0.8, 2, True), ("required", 1.2, 3, False), ("required", 0.8, 4, False),
-         ("get_weather", 0, 5, True), ("get_weather", 0.8, 6, False), ("count", 0.8, 7, True), ("route", 0.8, 8, True),
-         ("route", 1.0, 9, False), ("ping", 0.8, 10, True)]
+CASES = [
+    ("required", 0, 1, True),
+    ("required", 0.8, 2, True),
+    ("required", 1.2, 3, False),
+    ("required", 0.8, 4, False),
+    ("get_weather", 0, 5, True),
+    ("get_weather", 0.8, 6, False),
+    ("count", 0.8, 7, True),
+    ("route", 0.8, 8, True),
+    ("route", 1.0, 9, False),
+    ("ping", 0.8, 10, True),
+]
 
 
 @pytest.mark.parametrize("choice, temperature, seed, parallel", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CASES])
-def test_required_or_named_tool_choice_gives_calls_whose_arguments_validate(real_client, choice, temperature, seed, parallel):
+def test_required_or_named_tool_choice_gives_calls_whose_arguments_validate(
+    real_client, choice, temperature, seed, parallel
+):
     tool_choice = choice if choice == "required" else {"type": "function", "function": {"name": choice}}
     out = ask(real_client, tool_choice=tool_choice, temperature=temperature, seed=seed, parallel_tool_calls=parallel)
     (c,) = out.choices
     assert_valid_calls(c.message, None if choice == "required" else {choice})
     # One call, then only EOS may follow. Parallel required calls may go on (a 135M model greedy repeats its call until
     # max_tokens): every call returned is complete and valid, and the one cut short is not returned.
-    assert c.finish_reason == "tool_calls" if not parallel or choice != "required" else c.finish_reason in ("tool_calls", "length")
+    assert (
+        c.finish_reason == "tool_calls"
+        if not parallel or choice != "required"
+        else c.finish_reason in ("tool_calls", "length")
+    )
     assert len(c.message.tool_calls) == 1 or parallel and choice == "required"  # a named function is called once
 
 
@@ -86,26 +116,44 @@ def test_streamed_tool_call_deltas_reassemble_to_the_message(real_client):
             call = calls.setdefault(delta.index, {"id": delta.id, "name": delta.function.name, "arguments": ""})
             call["arguments"] += delta.function.arguments or ""
     assert finish == "tool_calls"
-    assert [(c["name"], c["arguments"]) for c in calls.values()] == [(t.function.name, t.function.arguments) for t in whole.message.tool_calls]
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (t.function.name, t.function.arguments) for t in whole.message.tool_calls
+    ]
     assert all(c["id"].startswith("call_") for c in calls.values())
 
 
 def test_a_tool_result_in_the_next_turn_is_read(real_client):
     first = ask(real_client, tool_choice={"type": "function", "function": {"name": "count"}}).choices[0].message
-    turn = ASK + [first.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": '{"n": 3}'}]
+    turn = ASK + [
+        first.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": '{"n": 3}'},
+    ]
     reply = ask(real_client, messages=turn, tool_choice="none", max_tokens=8)
-    assert reply.choices[0].message.tool_calls is None and reply.usage.prompt_tokens > ask(real_client, tool_choice="none", max_tokens=8).usage.prompt_tokens
+    assert (
+        reply.choices[0].message.tool_calls is None
+        and reply.usage.prompt_tokens > ask(real_client, tool_choice="none", max_tokens=8).usage.prompt_tokens
+    )
 
 
-@pytest.mark.parametrize("kw, param", [
-    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tools": None, "tool_choice": "required"}, "tool_choice"),
-    ({"tools": [tool("bad", {"type": "object", "properties": {"x": {"type": "string", "format": "no-such-format"}}})]}, "tools"),
-    ({"tools": [tool("bad", {"type": "object", "properties": {"x": {"type": "wrong"}}})]}, "tools"),
-    ({"tools": [tool("twice", COUNT), tool("twice", WEATHER)]}, "tools"),
-    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools"),
-])
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": None, "tool_choice": "required"}, "tool_choice"),
+        (
+            {
+                "tools": [
+                    tool("bad", {"type": "object", "properties": {"x": {"type": "string", "format": "no-such-format"}}})
+                ]
+            },
+            "tools",
+        ),
+        ({"tools": [tool("bad", {"type": "object", "properties": {"x": {"type": "wrong"}}})]}, "tools"),
+        ({"tools": [tool("twice", COUNT), tool("twice", WEATHER)]}, "tools"),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools"),
+    ],
+)
 def test_bad_tools_are_400s_naming_the_field(real_client, kw, param):
     if kw.get("tools", TOOLS) is None:
         kw.pop("tools")
@@ -119,19 +167,34 @@ def test_bad_tools_are_400s_naming_the_field(real_client, kw, param):
 def test_the_default_rendering_lists_the_tools_and_writes_calls_and_results_in_the_call_format():
     calling = ToolCalling([], "none")
     assert calling.structured_outputs() is None
-    messages = [{"role": "user", "content": "hi"},
-                {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "count", "arguments": {"n": 1}}}]},
-                {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    messages = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "count", "arguments": {"n": 1}}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
     from tokenloop.tools.calling import Function
 
     rendered = render_tools(messages, [Function("count", "counts", COUNT)])
-    assert rendered[0]["role"] == "system" and '"name": "count"' in rendered[0]["content"] and "<tool_call>" in rendered[0]["content"]
+    assert (
+        rendered[0]["role"] == "system"
+        and '"name": "count"' in rendered[0]["content"]
+        and "<tool_call>" in rendered[0]["content"]
+    )
     assert rendered[2]["content"] == format_call("count", {"n": 1})
     assert rendered[3] == {"role": "user", "content": "<tool_response>\nok\n</tool_response>"}
 
 
 def test_the_parser_only_ever_extends_what_it_gave_before():
-    text = "Let me see. " + format_call("get_weather", {"city": "Paris", "unit": "c"}) + "\n" + format_call("route", {"from": [1, 2], "to": [3, 4]})
+    text = (
+        "Let me see. "
+        + format_call("get_weather", {"city": "Paris", "unit": "c"})
+        + "\n"
+        + format_call("route", {"from": [1, 2], "to": [3, 4]})
+    )
     before = parse_reply("", False)
     for end in range(1, len(text) + 1):
         now = parse_reply(text[:end], end == len(text))
@@ -139,7 +202,9 @@ def test_the_parser_only_ever_extends_what_it_gave_before():
         assert all(a.name == b.name and b.arguments.startswith(a.arguments) for a, b in zip(before.calls, now.calls))
         before = now
     assert before.content == "Let me see. " and [(c.name, json.loads(c.arguments)) for c in before.calls] == [
-        ("get_weather", {"city": "Paris", "unit": "c"}), ("route", {"from": [1, 2], "to": [3, 4]})]
+        ("get_weather", {"city": "Paris", "unit": "c"}),
+        ("route", {"from": [1, 2], "to": [3, 4]}),
+    ]
     assert parse_reply(text[:-5], True).calls[-1].name == "get_weather"  # a call cut short is not a call
 
 
@@ -147,11 +212,19 @@ def test_a_template_that_takes_tools_gets_them_and_call_arguments_as_objects():
     from tokenloop.tokenizer.chat_template import render_chat_template
     from tokenloop.tools.calling import Function
 
-    template = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.role }}:{{ m.content }}"
-                "{% for c in m.tool_calls or [] %}<{{ c.function.arguments.n }}>{% endfor %};{% endfor %}")
+    template = (
+        "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.role }}:{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}<{{ c.function.arguments.n }}>{% endfor %};{% endfor %}"
+    )
     calling = ToolCalling([Function("count", None, COUNT)], "auto")
-    messages = [{"role": "user", "content": "hi"},
-                {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "count", "arguments": '{"n": 5}'}}]}]
+    messages = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "count", "arguments": '{"n": 5}'}}],
+        },
+    ]
     rendered, kwargs = calling.render(messages, template_takes_tools=True)
     assert render_chat_template(template, rendered, False, None, None, **kwargs) == "[count]user:hi;assistant:<5>;"
     bad = [messages[0], {**messages[1], "tool_calls": [{"function": {"name": "count", "arguments": "{not json"}}]}]

@@ -23,8 +23,16 @@ def small_vocab_model(folder, seed: int):
     write_tiny_tokenizer(folder)
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
     )
     model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():
@@ -60,7 +68,12 @@ def sample_pairs(folder, spec: dict) -> tuple[list[tuple[int, int]], LLM]:
     llm = LLM(folder, dtype="float32", device="cpu", kv_cache_gb=0.05, max_num_seqs=256, speculative_config=spec)
     # Three tokens, so that the first step drafts two (the last token is never drafted: the bonus covers it) and
     # both positions of the pair are verified.
-    params = [SamplingParams(n=SAMPLES_PER_REQUEST, seed=r * SAMPLES_PER_REQUEST, temperature=1.0, max_tokens=3, ignore_eos=True) for r in range(REQUESTS)]
+    params = [
+        SamplingParams(
+            n=SAMPLES_PER_REQUEST, seed=r * SAMPLES_PER_REQUEST, temperature=1.0, max_tokens=3, ignore_eos=True
+        )
+        for r in range(REQUESTS)
+    ]
     outs = llm.generate([PROMPT] * REQUESTS, params, use_tqdm=False)
     return [tuple(c.token_ids[:2]) for o in outs for c in o.outputs], llm
 
@@ -81,12 +94,28 @@ def chi_square_p_value(pairs: list[tuple[int, int]], exact: dict[tuple[int, int]
     return float(chisquare(observed, expected).pvalue)
 
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2, "adaptive": False}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 2,
+    "adaptive": False,
+}
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
 def test_two_token_joint_distribution_with_drafts_is_the_models(target, draft_folder, exact, proposer):
-    spec = NGRAM if proposer == "ngram" else {"method": "draft", "model": str(draft_folder), "dtype": "float32", "num_speculative_tokens": 2, "adaptive": False}
+    spec = (
+        NGRAM
+        if proposer == "ngram"
+        else {
+            "method": "draft",
+            "model": str(draft_folder),
+            "dtype": "float32",
+            "num_speculative_tokens": 2,
+            "adaptive": False,
+        }
+    )
     pairs, llm = sample_pairs(target[0], spec)
     assert len(pairs) == REQUESTS * SAMPLES_PER_REQUEST
     stats = llm.llm_engine.speculator.stats

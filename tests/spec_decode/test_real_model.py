@@ -9,9 +9,21 @@ import pytest
 from tokenloop import LLM, SamplingParams
 from tokenloop.bench.speculative_prompts import CODE, GROUNDED, OPEN, PARAGRAPH, QUOTE
 
-SUBJECTS = ["a lighthouse", "the moon", "a red bicycle", "coffee", "the ocean", "a small town", "winter", "robots", "bread", "a violin"]
+SUBJECTS = [
+    "a lighthouse",
+    "the moon",
+    "a red bicycle",
+    "coffee",
+    "the ocean",
+    "a small town",
+    "winter",
+    "robots",
+    "bread",
+    "a violin",
+]
 PROMPTS = (
-    GROUNDED + OPEN
+    GROUNDED
+    + OPEN
     + [f"Write two sentences about {s}." for s in SUBJECTS]
     + [f"Repeat this sentence three times: {s.capitalize()} is here, and {s} is near." for s in SUBJECTS]
     + [f"Summarise in one line: {PARAGRAPH[i * 40 : i * 40 + 160]}" for i in range(8)]
@@ -24,7 +36,10 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
 
 
 def chat_tokens(llm: LLM, prompts: list[str]) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.chat([[{"role": "user", "content": p}] for p in prompts], GREEDY, use_tqdm=False)]
+    return [
+        o.outputs[0].token_ids
+        for o in llm.chat([[{"role": "user", "content": p}] for p in prompts], GREEDY, use_tqdm=False)
+    ]
 
 
 def test_there_are_fifty_distinct_prompts():
@@ -36,9 +51,18 @@ def float32_reference(llm_fp32):
     return chat_tokens(llm_fp32, PROMPTS)
 
 
-@pytest.mark.parametrize("spec", [NGRAM, {"method": "draft", "dtype": "auto", "num_speculative_tokens": 6, "adaptive": False}], ids=["ngram", "4-bit draft"])
+@pytest.mark.parametrize(
+    "spec",
+    [NGRAM, {"method": "draft", "dtype": "auto", "num_speculative_tokens": 6, "adaptive": False}],
+    ids=["ngram", "4-bit draft"],
+)
 def test_float32_greedy_tokens_with_speculation_equal_those_without(default_model_path, float32_reference, spec):
-    llm = LLM(default_model_path, dtype="float32", device="cpu", speculative_config=spec | ({"model": str(default_model_path)} if spec["method"] == "draft" else {}))
+    llm = LLM(
+        default_model_path,
+        dtype="float32",
+        device="cpu",
+        speculative_config=spec | ({"model": str(default_model_path)} if spec["method"] == "draft" else {}),
+    )
     assert chat_tokens(llm, PROMPTS) == float32_reference
     stats = llm.llm_engine.speculator.stats
     assert stats.num_accepted_tokens > 0.3 * stats.num_draft_tokens > 0

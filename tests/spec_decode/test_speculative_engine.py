@@ -17,16 +17,30 @@ PROMPTS = [SHARED + tail for tail in ("The quick brown fox", "def main():", "Num
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 # adaptive off: every sequence drafts all it may (the cost model would rarely draft on a model this small).
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "adaptive": False}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+    "adaptive": False,
+}
 
 
 def draft_config(folder) -> dict:
     # The draft is the tiny model itself in bfloat16: close to the target, not equal.
-    return {"method": "draft", "model": str(folder), "dtype": "bfloat16", "num_speculative_tokens": 3, "adaptive": False}
+    return {
+        "method": "draft",
+        "model": str(folder),
+        "dtype": "bfloat16",
+        "num_speculative_tokens": 3,
+        "adaptive": False,
+    }
 
 
 def make(folder, spec=None, **engine_args) -> LLM:
-    return LLM(folder, **({"dtype": "float32", "device": "cpu", "kv_cache_gb": 0.01, "speculative_config": spec} | engine_args))
+    return LLM(
+        folder, **({"dtype": "float32", "device": "cpu", "kv_cache_gb": 0.01, "speculative_config": spec} | engine_args)
+    )
 
 
 def tokens(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
@@ -51,12 +65,18 @@ def spec(request, tiny_model_folder):
     return NGRAM if request.param == "ngram" else draft_config(tiny_model_folder)
 
 
-@pytest.mark.parametrize("engine_args", [{}, {"enable_prefix_caching": False}, {"max_num_batched_tokens": 7}], ids=["default", "no prefix cache", "chunked"])
+@pytest.mark.parametrize(
+    "engine_args",
+    [{}, {"enable_prefix_caching": False}, {"max_num_batched_tokens": 7}],
+    ids=["default", "no prefix cache", "chunked"],
+)
 def test_greedy_tokens_with_drafts_equal_those_without(tiny_model_folder, reference, spec, engine_args):
     llm = make(tiny_model_folder, spec, **engine_args)
     assert tokens(llm, PROMPTS) == reference
     stats = llm.llm_engine.speculator.stats
-    assert stats.num_draft_tokens > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # drafts were verified, some rejected
+    assert (
+        stats.num_draft_tokens > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    )  # drafts were verified, some rejected
     assert_nothing_held(llm)
 
 
@@ -83,16 +103,28 @@ def test_preemption_with_drafts_changes_no_token(tiny_model_folder, reference, s
     assert_nothing_held(llm)
 
 
-@pytest.mark.parametrize("controls", [
-    {"repetition_penalty": 1.05, "frequency_penalty": 0.05, "presence_penalty": 0.02, "logit_bias": {5: 2.0}, "min_tokens": 10},
-    {"no_repeat_ngram_size": 4, "bad_words": ["hello"]},
-], ids=["penalties and bias", "n-gram and word bans"])
+@pytest.mark.parametrize(
+    "controls",
+    [
+        {
+            "repetition_penalty": 1.05,
+            "frequency_penalty": 0.05,
+            "presence_penalty": 0.02,
+            "logit_bias": {5: 2.0},
+            "min_tokens": 10,
+        },
+        {"no_repeat_ngram_size": 4, "bad_words": ["hello"]},
+    ],
+    ids=["penalties and bias", "n-gram and word bans"],
+)
 def test_processors_see_the_accepted_draft_tokens(tiny_model_folder, tiny_llm, spec, controls):
     params = SamplingParams(temperature=0, max_tokens=40, **controls)
     expected = tokens(tiny_llm, PROMPTS, params)
     llm = make(tiny_model_folder, spec)
     assert tokens(llm, PROMPTS, params) == expected
-    assert llm.llm_engine.speculator.stats.num_accepted_tokens > 0  # later positions were judged with the earlier drafts applied
+    assert (
+        llm.llm_engine.speculator.stats.num_accepted_tokens > 0
+    )  # later positions were judged with the earlier drafts applied
 
 
 def test_structured_output_masks_apply_at_every_verified_position(tiny_model_folder, tiny_llm, spec):
@@ -100,7 +132,10 @@ def test_structured_output_masks_apply_at_every_verified_position(tiny_model_fol
 
     regex = r"(ab|ba|abc){6,12}"
     prompts = ["ab ab ab abc abc ba ba", "Hello world"]
-    params = [SamplingParams(temperature=t, max_tokens=40, seed=7, structured_outputs=StructuredOutputsParams(regex=regex)) for t in (0, 0.8)]
+    params = [
+        SamplingParams(temperature=t, max_tokens=40, seed=7, structured_outputs=StructuredOutputsParams(regex=regex))
+        for t in (0, 0.8)
+    ]
     expected = tiny_llm.generate(prompts, params[0], use_tqdm=False)
     llm = make(tiny_model_folder, spec)
     got = llm.generate(prompts, params[0], use_tqdm=False)
@@ -125,10 +160,17 @@ def test_n_greater_than_1_and_logprobs_with_drafts(tiny_model_folder, tiny_llm, 
 def test_stop_strings_and_max_tokens_inside_an_accepted_run(tiny_model_folder, tiny_llm, spec):
     reference = tokens(tiny_llm, PROMPTS[:1])[0]
     text = tiny_llm.get_tokenizer().decode(reference[10:13])
-    for params in (SamplingParams(temperature=0, max_tokens=40, stop=[text]), SamplingParams(temperature=0, max_tokens=17, ignore_eos=True)):
+    for params in (
+        SamplingParams(temperature=0, max_tokens=40, stop=[text]),
+        SamplingParams(temperature=0, max_tokens=17, ignore_eos=True),
+    ):
         expected = tiny_llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
         got = make(tiny_model_folder, spec).generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
-        assert (got.token_ids, got.text, got.finish_reason) == (expected.token_ids, expected.text, expected.finish_reason)
+        assert (got.token_ids, got.text, got.finish_reason) == (
+            expected.token_ids,
+            expected.text,
+            expected.finish_reason,
+        )
 
 
 def test_rejected_draft_tokens_never_enter_the_prefix_cache(tiny_model_folder, spec):
@@ -141,7 +183,9 @@ def test_rejected_draft_tokens_never_enter_the_prefix_cache(tiny_model_folder, s
     assert cached
     bs = engine.config.block_size
     for block in cached:  # each cached block holds a run of some sequence's real tokens, at a block boundary
-        assert any(tuple(s[i : i + bs]) == block.token_ids for s in sequences for i in range(0, len(s) - bs + 1, bs)), block
+        assert any(tuple(s[i : i + bs]) == block.token_ids for s in sequences for i in range(0, len(s) - bs + 1, bs)), (
+            block
+        )
 
 
 def test_aborting_drafting_requests_leaves_no_block_behind(tiny_model_folder, spec):

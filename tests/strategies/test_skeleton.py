@@ -28,7 +28,9 @@ def test_the_outline_follows_its_grammar_and_each_point_is_expanded_in_order(lon
     assert result.answer == "\n\n".join(e.strip() for e in result.expansions)
     assert max(steps) >= len(result.points)  # the expansions ran side by side
     assert re.fullmatch(skeleton.OUTLINE, "\n".join(f"{i + 1}. {p}" for i, p in enumerate(result.points)))
-    assert llm.skeleton_of_thought("Hi", params, together=False).expansions == result.expansions  # the same prompts, one by one
+    assert (
+        llm.skeleton_of_thought("Hi", params, together=False).expansions == result.expansions
+    )  # the same prompts, one by one
     assert engine.block_manager.num_used_blocks == 0
 
 
@@ -50,7 +52,9 @@ def test_forks_of_a_retained_request_share_its_blocks_and_generate_as_fresh_prom
     forked = [o.outputs[0].token_ids for o in llm._run(children, use_tqdm=False)]
     engine.release_request(parent)
     assert engine.block_manager.num_used_blocks == 0
-    fresh = make(long_context_model_folder, enable_prefix_caching=False).generate([written + s for s in suffixes], params, use_tqdm=False)
+    fresh = make(long_context_model_folder, enable_prefix_caching=False).generate(
+        [written + s for s in suffixes], params, use_tqdm=False
+    )
     assert forked == [o.outputs[0].token_ids for o in fresh]
     with pytest.raises(ValueError, match="retain=True"):
         engine.fork_request(parent, [[1]], params)

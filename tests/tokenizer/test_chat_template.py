@@ -105,7 +105,9 @@ def test_template_syntax_error_is_value_error():
 def test_continue_final_message_matches_transformers(smollm: Tokenizer, hf_smollm):
     messages = CONVERSATIONS["system_and_user"] + [{"role": "assistant", "content": "The answer is"}]
     text = smollm.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
-    assert text == hf_smollm.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True, tokenize=False)
+    assert text == hf_smollm.apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True, tokenize=False
+    )
     assert text.endswith("The answer is")
     with pytest.raises(ValueError, match="continue_final_message"):
         smollm.apply_chat_template(messages, add_generation_prompt=True, continue_final_message=True)

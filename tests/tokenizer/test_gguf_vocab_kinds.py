@@ -11,11 +11,10 @@ import pytest
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import models, pre_tokenizers, trainers
 
+from tests.helpers import CORPUS
 from tokenloop.models.gguf_metadata import open_gguf, read_metadata
 from tokenloop.tokenizer.detokenizer import IncrementalDetokenizer
 from tokenloop.tokenizer.tokenizer import Tokenizer
-
-from tests.helpers import CORPUS
 
 TEXTS = [
     "Hello world! Hello tokenizers.",

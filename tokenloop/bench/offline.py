@@ -75,7 +75,11 @@ def _bench_tokenloop(cfg: BenchConfig) -> EngineResult:
     greedy = SamplingParams(temperature=0, max_tokens=cfg.decode_tokens, ignore_eos=True)
     # Warmed up as llama-bench is (its warm-up run is a prompt of the timed size and one decode step): the timed
     # figures then pay no first-use costs (page faults in fresh activation buffers, the allocator's growth).
-    llm.generate({"prompt_token_ids": _prefill_prompt(tok.encode, cfg.prefill_tokens)}, SamplingParams(max_tokens=4), use_tqdm=False)
+    llm.generate(
+        {"prompt_token_ids": _prefill_prompt(tok.encode, cfg.prefill_tokens)},
+        SamplingParams(max_tokens=4),
+        use_tqdm=False,
+    )
 
     def timed(prompt_ids: list[int], params: SamplingParams) -> StreamStats:
         stats = StreamStats()
@@ -94,10 +98,19 @@ def _bench_tokenloop(cfg: BenchConfig) -> EngineResult:
     if cfg.decode_only:
         return EngineResult("tokenloop", decode_tps)
     prefill_ids = _prefill_prompt(tok.encode, cfg.prefill_tokens)
-    prefill_s = min(timed(prefill_ids, SamplingParams(temperature=0, max_tokens=1)).prefill_s for _ in range(cfg.repeats))
+    prefill_s = min(
+        timed(prefill_ids, SamplingParams(temperature=0, max_tokens=1)).prefill_s for _ in range(cfg.repeats)
+    )
     batch = {str(size): max(batch_rate(size) for _ in range(cfg.repeats)) for size in cfg.batch_sizes}
     model = engine.runner.model
-    return EngineResult("tokenloop", decode_tps, cfg.prefill_tokens / prefill_s, prefill_s * 1e3, batch, weight_bytes=decode_weight_bytes(model))
+    return EngineResult(
+        "tokenloop",
+        decode_tps,
+        cfg.prefill_tokens / prefill_s,
+        prefill_s * 1e3,
+        batch,
+        weight_bytes=decode_weight_bytes(model),
+    )
 
 
 def decode_weight_bytes(model: torch.nn.Module) -> int:
@@ -130,23 +143,34 @@ def _bench_llamacpp(cfg: BenchConfig) -> EngineResult:
         return first - start, last - first, n
 
     prompt = llm.tokenize(DEFAULT_PROMPT.encode(), add_bos=False)[:PROMPT_TOKENS]
-    decode_tps = max((n - 1) / decode_s for _, decode_s, n in (timed(prompt, cfg.decode_tokens) for _ in range(cfg.repeats)))
+    decode_tps = max(
+        (n - 1) / decode_s for _, decode_s, n in (timed(prompt, cfg.decode_tokens) for _ in range(cfg.repeats))
+    )
     prefill_ids = _prefill_prompt(lambda s: llm.tokenize(s.encode(), add_bos=False), cfg.prefill_tokens)
     ttft = min(timed(prefill_ids, 1)[0] for _ in range(cfg.repeats))
-    return EngineResult("llama-cpp-python", decode_tps, cfg.prefill_tokens / ttft, ttft * 1e3, weight_bytes=os.path.getsize(cfg.model))
+    return EngineResult(
+        "llama-cpp-python", decode_tps, cfg.prefill_tokens / ttft, ttft * 1e3, weight_bytes=os.path.getsize(cfg.model)
+    )
 
 
 def _bench_llama_bench(cfg: BenchConfig) -> EngineResult:
     from tokenloop.bench.peers import llama_cpp_bin, run_llama_bench
 
     prefill_tokens = 0 if cfg.decode_only else cfg.prefill_tokens
-    r = run_llama_bench(llama_cpp_bin(cfg.llama_cpp_bin), cfg.model, cfg.threads, prefill_tokens, cfg.decode_tokens, cfg.repeats)
+    r = run_llama_bench(
+        llama_cpp_bin(cfg.llama_cpp_bin), cfg.model, cfg.threads, prefill_tokens, cfg.decode_tokens, cfg.repeats
+    )
     if cfg.decode_only:
         return EngineResult("llama-bench", r.decode_tps)
     rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # llama-bench's own, not this process's
     return EngineResult(
-        "llama-bench", r.decode_tps, r.prefill_tps, cfg.prefill_tokens / r.prefill_tps * 1e3, peak_rss_mib=rss,
-        weight_bytes=os.path.getsize(cfg.model), note=f"{r.build}; -t {cfg.threads} -p {cfg.prefill_tokens} -n {cfg.decode_tokens} -r {cfg.repeats}",
+        "llama-bench",
+        r.decode_tps,
+        r.prefill_tps,
+        cfg.prefill_tokens / r.prefill_tps * 1e3,
+        peak_rss_mib=rss,
+        weight_bytes=os.path.getsize(cfg.model),
+        note=f"{r.build}; -t {cfg.threads} -p {cfg.prefill_tokens} -n {cfg.decode_tokens} -r {cfg.repeats}",
     )
 
 
@@ -160,16 +184,26 @@ def _bench_transformers(cfg: BenchConfig) -> EngineResult:
     def run(ids: list[int], max_new: int) -> float:
         start = time.perf_counter()
         with torch.no_grad():
-            model.generate(torch.tensor([ids]), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, pad_token_id=0)
+            model.generate(
+                torch.tensor([ids]), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, pad_token_id=0
+            )
         return time.perf_counter() - start
 
     prompt = tok.encode(DEFAULT_PROMPT, add_special_tokens=False)[:PROMPT_TOKENS]
     run(prompt, 2)
     prefill_ids = _prefill_prompt(lambda s: tok.encode(s, add_special_tokens=False), cfg.prefill_tokens)
     ttft = min(run(prefill_ids, 1) for _ in range(cfg.repeats))
-    decode_s = min(run(prompt, cfg.decode_tokens) for _ in range(cfg.repeats)) - min(run(prompt, 1) for _ in range(cfg.repeats))
+    decode_s = min(run(prompt, cfg.decode_tokens) for _ in range(cfg.repeats)) - min(
+        run(prompt, 1) for _ in range(cfg.repeats)
+    )
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return EngineResult("transformers", (cfg.decode_tokens - 1) / decode_s, cfg.prefill_tokens / ttft, ttft * 1e3, weight_bytes=weight_bytes)
+    return EngineResult(
+        "transformers",
+        (cfg.decode_tokens - 1) / decode_s,
+        cfg.prefill_tokens / ttft,
+        ttft * 1e3,
+        weight_bytes=weight_bytes,
+    )
 
 
 def run_engine(engine: str, cfg: BenchConfig) -> EngineResult:
@@ -199,8 +233,15 @@ def best_result(runs: list[EngineResult]) -> EngineResult:
 
     batches = [r.batch_tps for r in runs if r.batch_tps]
     batch = {size: max(b[size] for b in batches) for size in batches[0]} if batches else None
-    return replace(runs[0], decode_tps=best("decode_tps"), prefill_tps=best("prefill_tps"), ttft_ms=best("ttft_ms", min),
-                   batch_tps=batch, peak_rss_mib=best("peak_rss_mib"), busy_decode_tps=best("busy_decode_tps"))
+    return replace(
+        runs[0],
+        decode_tps=best("decode_tps"),
+        prefill_tps=best("prefill_tps"),
+        ttft_ms=best("ttft_ms", min),
+        batch_tps=batch,
+        peak_rss_mib=best("peak_rss_mib"),
+        busy_decode_tps=best("busy_decode_tps"),
+    )
 
 
 def memory_bandwidth_gbs() -> float:
@@ -218,15 +259,25 @@ def format_table(results: list[EngineResult], cfg: BenchConfig, bandwidth: float
     ours = results[0]
     # (label, tokenloop's figure, the peer's figure); the peers decode one sequence at a time, so a batched row
     # sets tokenloop's batch against the peer's single stream: what the peer gives that many users, one by one.
-    rows = [("single-stream decode, tokens/s", lambda r: r.decode_tps, lambda r: r.decode_tps),
-            (f"prefill of {cfg.prefill_tokens} tokens, tokens/s", lambda r: r.prefill_tps, lambda r: r.prefill_tps),
-            (f"time to first token ({cfg.prefill_tokens} tokens), ms", lambda r: r.ttft_ms, lambda r: r.ttft_ms)]
-    rows += [(f"{b} concurrent × {cfg.decode_tokens} tokens, tokens/s", lambda r, b=b: (r.batch_tps or {}).get(str(b)), lambda r: r.decode_tps)
-             for b in cfg.batch_sizes]
+    rows = [
+        ("single-stream decode, tokens/s", lambda r: r.decode_tps, lambda r: r.decode_tps),
+        (f"prefill of {cfg.prefill_tokens} tokens, tokens/s", lambda r: r.prefill_tps, lambda r: r.prefill_tps),
+        (f"time to first token ({cfg.prefill_tokens} tokens), ms", lambda r: r.ttft_ms, lambda r: r.ttft_ms),
+    ]
+    rows += [
+        (
+            f"{b} concurrent × {cfg.decode_tokens} tokens, tokens/s",
+            lambda r, b=b: (r.batch_tps or {}).get(str(b)),
+            lambda r: r.decode_tps,
+        )
+        for b in cfg.batch_sizes
+    ]
     gbs = lambda r: r.decode_tps and r.weight_bytes and r.decode_tps * r.weight_bytes / 1e9  # noqa: E731
-    rows += [("single-stream decode, one core busy, tokens/s", lambda r: r.busy_decode_tps, lambda r: r.busy_decode_tps),
-             ("peak RSS, MiB", lambda r: r.peak_rss_mib, lambda r: r.peak_rss_mib),
-             (f"decode GB/s (memory copy: {bandwidth:.1f} GB/s)", gbs, gbs)]
+    rows += [
+        ("single-stream decode, one core busy, tokens/s", lambda r: r.busy_decode_tps, lambda r: r.busy_decode_tps),
+        ("peak RSS, MiB", lambda r: r.peak_rss_mib, lambda r: r.peak_rss_mib),
+        (f"decode GB/s (memory copy: {bandwidth:.1f} GB/s)", gbs, gbs),
+    ]
     peers = results[1:]
     widths = [max(14, len(r.engine) + 2) for r in peers]
     header = f"{'':48}{'tokenloop':>12}" + "".join(f"{r.engine:>{w}}{'ratio':>8}" for r, w in zip(peers, widths))
@@ -253,16 +304,38 @@ def _fmt(value: float | None) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "-m", default=None, help="known name or .gguf file (default: the default model)")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="tokenloop's compiled decode step")
+    parser.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=True, help="tokenloop's compiled decode step"
+    )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--prefill-tokens", type=int, default=1024)
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ", ".join(ENGINES))
-    parser.add_argument("--repeats", type=int, default=3, help="each timed figure is the best of this many runs (--speculative: each ratio the median of this many paired runs)")
-    parser.add_argument("--busy-core", action=argparse.BooleanOptionalAction, default=True, help="also decode while another process keeps one core busy")
-    parser.add_argument("--speculative", action="store_true",
-                        help="speculative decoding (n-gram lookup, 4-bit draft for float32) against tokenloop's own decode without it")
-    parser.add_argument("--llama-cpp-bin", default=None, help="a folder with llama.cpp's llama-bench and llama-server (default: built once into $TOKENLOOP_HOME/peers)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help=(
+            "each timed figure is the best of this many runs "
+            "(--speculative: each ratio the median of this many paired runs)"
+        ),
+    )
+    parser.add_argument(
+        "--busy-core",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also decode while another process keeps one core busy",
+    )
+    parser.add_argument(
+        "--speculative",
+        action="store_true",
+        help="speculative decoding (n-gram lookup, 4-bit draft for float32) against tokenloop's own decode without it",
+    )
+    parser.add_argument(
+        "--llama-cpp-bin",
+        default=None,
+        help="a folder with llama.cpp's llama-bench and llama-server (default: built once into $TOKENLOOP_HOME/peers)",
+    )
     record.add_argument(parser)
 
 
@@ -280,8 +353,14 @@ def main_from_args(args: argparse.Namespace) -> int:
             record.save("speculative", table)
         return 0
     cfg = BenchConfig(
-        str(resolve(args.model)), args.dtype, args.compile, args.threads, args.decode_tokens, args.prefill_tokens,
-        repeats=args.repeats, llama_cpp_bin=args.llama_cpp_bin,
+        str(resolve(args.model)),
+        args.dtype,
+        args.compile,
+        args.threads,
+        args.decode_tokens,
+        args.prefill_tokens,
+        repeats=args.repeats,
+        llama_cpp_bin=args.llama_cpp_bin,
     )
     engines = ["tokenloop"] + [e for e in args.engines.split(",") if e in ENGINES and e != "tokenloop"]
     if cfg.compile:
@@ -300,7 +379,10 @@ def add_busy_core_decode(results: list[EngineResult], cfg: BenchConfig) -> None:
     """Single-stream decode of tokenloop (its default thread choice) and llama-bench (the same -t) while a
     Python loop keeps one core busy."""
     measured = [r for r in results if r.engine in ("tokenloop", "llama-bench") and r.error is None]
-    runs = [(r.engine, replace(cfg, threads=None if r.engine == "tokenloop" else cfg.threads, decode_only=True)) for r in measured]
+    runs = [
+        (r.engine, replace(cfg, threads=None if r.engine == "tokenloop" else cfg.threads, decode_only=True))
+        for r in measured
+    ]
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(1)
@@ -314,7 +396,12 @@ def _child(engine: str, cfg_json: str) -> None:
     cfg = BenchConfig(**{**json.loads(cfg_json), "batch_sizes": tuple(json.loads(cfg_json)["batch_sizes"])})
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
-    bench = {"tokenloop": _bench_tokenloop, "llama-bench": _bench_llama_bench, "llama-cpp-python": _bench_llamacpp, "transformers": _bench_transformers}[engine]
+    bench = {
+        "tokenloop": _bench_tokenloop,
+        "llama-bench": _bench_llama_bench,
+        "llama-cpp-python": _bench_llamacpp,
+        "transformers": _bench_transformers,
+    }[engine]
     result = bench(cfg)
     if result.peak_rss_mib is None:
         result.peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

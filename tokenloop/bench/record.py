@@ -27,8 +27,14 @@ START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
 def add_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--record", action="store_true",
-                        help="append the run to benchmarks/results/ and rewrite docs/benchmarks.md and the README's table (a source checkout)")
+    parser.add_argument(
+        "--record",
+        action="store_true",
+        help=(
+            "append the run to benchmarks/results/ and rewrite docs/benchmarks.md and the README's table "
+            "(a source checkout)"
+        ),
+    )
 
 
 def checkout() -> Path:
@@ -82,10 +88,14 @@ def _entry(row: dict) -> str:
 
 
 def render(root: Path) -> None:
-    parts = ["# Benchmarks\n", "Written by `tokenloop bench ... --record` from `benchmarks/results/*.jsonl`; do not edit by hand. The machine's "
-             "speed drifts by more than 10% within an hour, so compare figures within one run (every table has its peer, "
-             "measured in the same run), not across rows. [benchmark-notes.md](benchmark-notes.md) keeps the earlier runs "
-             "and the profiles behind them.\n"]
+    parts = [
+        "# Benchmarks\n",
+        "Written by `tokenloop bench ... --record` from `benchmarks/results/*.jsonl`; do not edit by hand. "
+        "The machine's speed drifts by more than 10% within an hour, so compare figures within one run "
+        "(every table has its peer, "
+        "measured in the same run), not across rows. [benchmark-notes.md](benchmark-notes.md) keeps the earlier runs "
+        "and the profiles behind them.\n",
+    ]
     for kind, title in KINDS.items():
         rows = load(root, kind)
         if rows:

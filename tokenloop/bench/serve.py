@@ -154,7 +154,7 @@ async def _stream_one(client, url: str, body: dict, record: RequestRecord) -> No
         async for line in response.aiter_lines():
             if not line.startswith("data:"):
                 continue  # blank separators, `event:` lines and `:` keep-alive comments
-            data = line[len("data:"):].strip()
+            data = line[len("data:") :].strip()
             if data == "[DONE]":
                 break
             chunk = json.loads(data)
@@ -275,8 +275,14 @@ def run_from_args(args: argparse.Namespace) -> tuple[str, bool]:
         except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
             raise ValueError(f"could not read the model name from {args.base_url}/models ({e}); pass --model") from e
     config = ServeBenchConfig(
-        base_url=args.base_url, model=model, num_requests=args.num_requests, concurrency=args.concurrency,
-        max_tokens=args.max_tokens, endpoint=args.endpoint, api_key=args.api_key, timeout_s=args.timeout,
+        base_url=args.base_url,
+        model=model,
+        num_requests=args.num_requests,
+        concurrency=args.concurrency,
+        max_tokens=args.max_tokens,
+        endpoint=args.endpoint,
+        api_key=args.api_key,
+        timeout_s=args.timeout,
     )
     result = asyncio.run(run_serve_bench(config))
     return format_report(result, f"{model} @ {config.base_url}"), result.num_failed == 0

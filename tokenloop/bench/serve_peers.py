@@ -71,33 +71,95 @@ def _run(label: str, cmd: list[str], port: int, health: str, bench: ServeBenchCo
             proc.kill()
 
 
-def compare(model: str, peers: list[str], bench: ServeBenchConfig, threads: int, compile: bool, llama_cpp_bin: str | None) -> str:
+def compare(
+    model: str, peers: list[str], bench: ServeBenchConfig, threads: int, compile: bool, llama_cpp_bin: str | None
+) -> str:
     """Serve `model` with tokenloop, then with each peer, under the same load; the reports and the ratios."""
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
         raise ValueError(f"--peer must be among {', '.join(PEERS)}, got {', '.join(unknown)}")
     if compile:
         build_compiled_package(model, "auto")  # the server then starts from the cache, as every start after the first
-    ours = [sys.executable, "-m", "tokenloop.cli", "serve", "--model", model, "--port", "8000", "--threads", str(threads),
-            "--compile" if compile else "--no-compile", "--max-waiting", str(max(256, bench.num_requests))]
-    runs = [_run(f"tokenloop serve ({'compiled' if compile else 'eager'}, {threads} threads)", ours, 8000, "/health", bench)]
+    ours = [
+        sys.executable,
+        "-m",
+        "tokenloop.cli",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        "8000",
+        "--threads",
+        str(threads),
+        "--compile" if compile else "--no-compile",
+        "--max-waiting",
+        str(max(256, bench.num_requests)),
+    ]
+    runs = [
+        _run(f"tokenloop serve ({'compiled' if compile else 'eager'}, {threads} threads)", ours, 8000, "/health", bench)
+    ]
     for peer in peers:
         if peer == "llama-server":
             from tokenloop.bench.peers import llama_cpp_bin as find_bin
 
             slots = bench.concurrency
-            cmd = [str(find_bin(llama_cpp_bin) / "llama-server"), "-m", model, "--host", "127.0.0.1", "--port", "8081",
-                   "-np", str(slots), "-c", str(slots * CONTEXT_PER_SLOT), "-t", str(threads), "-tb", str(threads), "-cb"]
+            cmd = [
+                str(find_bin(llama_cpp_bin) / "llama-server"),
+                "-m",
+                model,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "8081",
+                "-np",
+                str(slots),
+                "-c",
+                str(slots * CONTEXT_PER_SLOT),
+                "-t",
+                str(threads),
+                "-tb",
+                str(threads),
+                "-cb",
+            ]
             label = f"llama-server -np {slots} -c {slots * CONTEXT_PER_SLOT} -t {threads} (llama.cpp C++)"
             runs.append(_run(label, cmd, 8081, "/health", bench))
         else:
-            cmd = [sys.executable, "-m", "llama_cpp.server", "--model", model, "--host", "127.0.0.1", "--port", "8082",
-                   "--n_threads", str(threads), "--n_threads_batch", str(threads), "--interrupt_requests", "False", "--n_ctx", "4096"]
-            runs.append(_run(f"llama-cpp-python server, {threads} threads (the binding: a reference row)", cmd, 8082, "/v1/models", bench))
+            cmd = [
+                sys.executable,
+                "-m",
+                "llama_cpp.server",
+                "--model",
+                model,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "8082",
+                "--n_threads",
+                str(threads),
+                "--n_threads_batch",
+                str(threads),
+                "--interrupt_requests",
+                "False",
+                "--n_ctx",
+                "4096",
+            ]
+            runs.append(
+                _run(
+                    f"llama-cpp-python server, {threads} threads (the binding: a reference row)",
+                    cmd,
+                    8082,
+                    "/v1/models",
+                    bench,
+                )
+            )
     lines = [f"{format_report(r.result, r.label)}\n  peak RSS: {r.peak_rss_mib:.0f} MiB" for r in runs]
     ours_run = runs[0]
     for peer in runs[1:]:
-        throughput = ours_run.result.output_tokens_per_s / peer.result.output_tokens_per_s if peer.result.output_tokens_per_s else float("nan")
+        throughput = (
+            ours_run.result.output_tokens_per_s / peer.result.output_tokens_per_s
+            if peer.result.output_tokens_per_s
+            else float("nan")
+        )
         lines.append(
             f"tokenloop / {peer.label.split(' (')[0]}: output tokens/s {throughput:.2f}x, "
             f"TTFT p99 {percentile(ours_run.result.ttft_s, 99):.2f} s vs {percentile(peer.result.ttft_s, 99):.2f} s, "
@@ -109,12 +171,24 @@ def compare(model: str, peers: list[str], bench: ServeBenchConfig, threads: int,
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_arguments(parser)
-    peers = parser.add_argument_group("peers: start tokenloop's server and each peer in turn on the same GGUF (--base-url is then unused)")
-    peers.add_argument("--peer", default=None, help="comma-separated: llama-server (llama.cpp's C++, -np = concurrency), llama-cpp-python")
+    peers = parser.add_argument_group(
+        "peers: start tokenloop's server and each peer in turn on the same GGUF (--base-url is then unused)"
+    )
+    peers.add_argument(
+        "--peer",
+        default=None,
+        help="comma-separated: llama-server (llama.cpp's C++, -np = concurrency), llama-cpp-python",
+    )
     peers.add_argument("--gguf", default=None, help="the model file the servers load (default: the default model)")
     peers.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads of every server")
-    peers.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="tokenloop's compiled decode step")
-    peers.add_argument("--llama-cpp-bin", default=None, help="a folder with llama-server (default: built once into $TOKENLOOP_HOME/peers)")
+    peers.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=True, help="tokenloop's compiled decode step"
+    )
+    peers.add_argument(
+        "--llama-cpp-bin",
+        default=None,
+        help="a folder with llama-server (default: built once into $TOKENLOOP_HOME/peers)",
+    )
     record.add_argument(parser)
 
 
@@ -126,8 +200,13 @@ def main_from_args(args: argparse.Namespace) -> int:
 
         gguf = str(resolve(args.gguf))
         bench = ServeBenchConfig(
-            base_url="http://127.0.0.1:8000/v1", model=args.model or gguf, num_requests=args.num_requests, concurrency=args.concurrency,
-            max_tokens=args.max_tokens, endpoint=args.endpoint, timeout_s=args.timeout,
+            base_url="http://127.0.0.1:8000/v1",
+            model=args.model or gguf,
+            num_requests=args.num_requests,
+            concurrency=args.concurrency,
+            max_tokens=args.max_tokens,
+            endpoint=args.endpoint,
+            timeout_s=args.timeout,
         )
         report, ok = compare(gguf, args.peer.split(","), bench, args.threads, args.compile, args.llama_cpp_bin), True
     else:

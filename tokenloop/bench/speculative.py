@@ -82,15 +82,32 @@ def measure(row: Row, plain, spec, prompts: list[str], tokens: int, repeats: int
     _run(plain, prompts, tokens, together)  # warm: the prompts enter both prefix caches, the cost model sees steps
     _run(spec, prompts, tokens, together)
     stats = spec.llm_engine.speculator.stats
-    before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_planned_steps, stats.num_chosen_tokens)
+    before = (
+        stats.num_drafts,
+        stats.num_draft_tokens,
+        stats.num_accepted_tokens,
+        stats.num_planned_steps,
+        stats.num_chosen_tokens,
+    )
     plain_ids = spec_ids = None
     for _ in range(repeats):
         rate, plain_ids = _run(plain, prompts, tokens, together)
         row.plain_rates.append(rate)
         rate, spec_ids = _run(spec, prompts, tokens, together)
         row.spec_rates.append(rate)
-    drafts, draft_tokens, accepted, planned, chosen = (now - then for now, then in zip(
-        (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_planned_steps, stats.num_chosen_tokens), before))
+    drafts, draft_tokens, accepted, planned, chosen = (
+        now - then
+        for now, then in zip(
+            (
+                stats.num_drafts,
+                stats.num_draft_tokens,
+                stats.num_accepted_tokens,
+                stats.num_planned_steps,
+                stats.num_chosen_tokens,
+            ),
+            before,
+        )
+    )
     row.identical = plain_ids == spec_ids
     row.usage = SpeculativeUsage(drafts, draft_tokens, accepted)
     row.mean_draft_length = chosen / planned if planned else 0.0
@@ -112,23 +129,41 @@ def run(model: str, tokens: int = 128, repeats: int = 3) -> list[Row]:
     del plain, spec
     gc.collect()
     plain = LLM(model, dtype="float32", compile=True, compile_in_background=False)
-    spec = LLM(model, dtype="float32", compile=True, compile_in_background=False, speculative_config=DRAFT | {"model": model})
-    rows.insert(1, measure(Row("4-bit draft -> float32 target", 3.0), plain, spec, OPEN[:2] + GROUNDED[:1], tokens, repeats))
+    spec = LLM(
+        model, dtype="float32", compile=True, compile_in_background=False, speculative_config=DRAFT | {"model": model}
+    )
+    rows.insert(
+        1, measure(Row("4-bit draft -> float32 target", 3.0), plain, spec, OPEN[:2] + GROUNDED[:1], tokens, repeats)
+    )
     return rows
 
 
 def format_rows(rows: list[Row], model: str, tokens: int, repeats: int) -> str:
-    header = (f"{'':34}{'plain tok/s':>12}{'spec tok/s':>12}{'ratio':>8}{'spread':>13}{'goal':>7}{'same tokens':>13}{'accepted':>10}"
-              f"{'mean len':>10}{'mean k':>8}")
-    lines = [f"tokenloop bench --speculative: {model}, greedy, up to {tokens} tokens per request, median of {repeats} paired runs", header]
+    header = (
+        f"{'':34}{'plain tok/s':>12}{'spec tok/s':>12}{'ratio':>8}{'spread':>13}{'goal':>7}"
+        f"{'same tokens':>13}{'accepted':>10}{'mean len':>10}{'mean k':>8}"
+    )
+    lines = [
+        f"tokenloop bench --speculative: {model}, greedy, up to {tokens} tokens per request, "
+        f"median of {repeats} paired runs",
+        header,
+    ]
     for r in rows:
         verdict = "ok" if r.ratio >= r.goal else "SHORT"
         lines.append(
-            f"{r.label:34}{r.plain_tps:>12.1f}{r.spec_tps:>12.1f}{r.ratio:>7.2f}x{r.spread:>13}{'>=' + format(r.goal, '.2f'):>7}"
-            f"{'yes' if r.identical else 'NO':>13}{r.usage.acceptance_rate:>10.2f}{r.usage.mean_accepted_length or 1.0:>10.2f}{r.mean_draft_length:>8.2f}  {verdict}"
+            f"{r.label:34}{r.plain_tps:>12.1f}{r.spec_tps:>12.1f}{r.ratio:>7.2f}x{r.spread:>13}"
+            f"{'>=' + format(r.goal, '.2f'):>7}"
+            f"{'yes' if r.identical else 'NO':>13}{r.usage.acceptance_rate:>10.2f}"
+            f"{r.usage.mean_accepted_length or 1.0:>10.2f}{r.mean_draft_length:>8.2f}  {verdict}"
         )
-    lines.append("plain = tokenloop's compiled decode without speculation (the float32 row: plain float32); ratio = median of spec / plain over the paired runs (spread: lowest-highest).")
-    lines.append("accepted = accepted / drafted tokens; mean len = tokens per verifying step; mean k = draft tokens the cost model chose per sequence-step.")
+    lines.append(
+        "plain = tokenloop's compiled decode without speculation (the float32 row: plain float32); "
+        "ratio = median of spec / plain over the paired runs (spread: lowest-highest)."
+    )
+    lines.append(
+        "accepted = accepted / drafted tokens; mean len = tokens per verifying step; "
+        "mean k = draft tokens the cost model chose per sequence-step."
+    )
     return "\n".join(lines)
 
 

@@ -24,16 +24,17 @@ CODE = '''def moving_average(values, window):
 '''
 
 QUOTE = (
-    "\"It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of foolishness, "
+    '"It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of foolishness, '
     "it was the epoch of belief, it was the epoch of incredulity, it was the season of Light, it was the season of "
-    "Darkness, it was the spring of hope, it was the winter of despair.\""
+    'Darkness, it was the spring of hope, it was the winter of despair."'
 )
 
 GROUNDED = [
     f"Repeat the following paragraph exactly, word for word:\n\n{PARAGRAPH}",
     "Correct the spelling mistakes in this paragraph and return the whole corrected paragraph:\n\n"
     + PARAGRAPH.replace("replaced", "replacd").replace("newspaper", "newspapr").replace("museum", "musem"),
-    f"Rewrite this Python function with one change: rename the parameter `values` to `numbers`. Return the whole function.\n\n{CODE}",
+    f"Rewrite this Python function with one change: rename the parameter `values` to `numbers`. "
+    f"Return the whole function.\n\n{CODE}",
     f"Quote this passage, then explain in one sentence what it means:\n\n{QUOTE}",
     f"Add a docstring line about the return type to this function and return the whole function:\n\n{CODE}",
 ]

@@ -80,8 +80,13 @@ class AsyncEngine:
     and are woken for each of the hundreds a step makes: with the model loaded on the main thread and stepped on
     another, a step of 32 sequences took half as long again."""
 
-    def __init__(self, engine_config: EngineConfig, metrics: EngineMetrics | None = None, config: AsyncEngineConfig | None = None,
-                 on_death: Callable[[BaseException], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        metrics: EngineMetrics | None = None,
+        config: AsyncEngineConfig | None = None,
+        on_death: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self.metrics = metrics or EngineMetrics()
         self.config = config or AsyncEngineConfig()
         self.on_death = on_death  # called on the step thread if it dies
@@ -96,7 +101,9 @@ class AsyncEngine:
         self._heartbeat = time.monotonic()  # the step loop's last sign of life
         self.engine: LLMEngine  # set by the step thread
         built: queue.SimpleQueue = queue.SimpleQueue()  # None once self.engine is set, or why it could not be built
-        self._thread = threading.Thread(target=self._run, args=(engine_config, built), name="tokenloop-engine", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(engine_config, built), name="tokenloop-engine", daemon=True
+        )
         self._thread.start()
         if (error := built.get()) is not None:
             raise error
@@ -128,7 +135,9 @@ class AsyncEngine:
         """End every request now: each stream gets a last output, unfinished completions with finish_reason "abort"."""
         self._command("abort_all", None)
 
-    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (cumulative; a slow reader skips the ones superseded meanwhile). Leaving
         the iteration early aborts it and frees its blocks."""
         tokenized = self.engine.process_prompt(prompt, params)  # ValueError here, before anything is queued

@@ -33,11 +33,19 @@ class BeamSearchParams:
     n: int | None = None  # beams returned, best first; None = beam_width
 
     def __post_init__(self) -> None:
-        if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+        if (
+            isinstance(self.beam_width, bool)
+            or not isinstance(self.beam_width, int)
+            or not 1 <= self.beam_width <= MAX_BEAM_WIDTH
+        ):
             raise ValueError(f"beam_width must be an integer in [1, {MAX_BEAM_WIDTH}], got {self.beam_width!r}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, int | float) or not math.isfinite(self.length_penalty):
+        if (
+            isinstance(self.length_penalty, bool)
+            or not isinstance(self.length_penalty, int | float)
+            or not math.isfinite(self.length_penalty)
+        ):
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
@@ -103,7 +111,11 @@ class BeamSearch:
         """Rank the candidates of every live beam: keep the hypotheses that end, return the next live beams."""
         width, k = self.params.beam_width, self.num_candidates
         candidates = sorted(
-            ((beam.logprob + lp, i, token) for i, beam in enumerate(self.beams) for token, lp in zip(*self.rows[beam.seq.seq_id])),
+            (
+                (beam.logprob + lp, i, token)
+                for i, beam in enumerate(self.beams)
+                for token, lp in zip(*self.rows[beam.seq.seq_id])
+            ),
             key=lambda c: -c[0],
         )[:k]
         self.rows.clear()
@@ -124,7 +136,11 @@ class BeamSearch:
         self.num_generated = length
         if continuations and len(self.finished) == width:
             best = continuations[0].logprob
-            longest = self.params.max_tokens if self.params.early_stopping == "never" and self.params.length_penalty > 0 else length
+            longest = (
+                self.params.max_tokens
+                if self.params.early_stopping == "never" and self.params.length_penalty > 0
+                else length
+            )
             self.improvable = self.improvable and best / longest**self.params.length_penalty > self.finished[-1].score
         full = len(self.finished) == width and self.params.early_stopping is True
         self.done = at_limit or not self.improvable or full or not continuations

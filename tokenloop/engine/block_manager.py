@@ -1,8 +1,9 @@
 """KV block manager: hands out fixed-size cache blocks, counts references, caches full blocks by prefix hash,
 forks sequences (a child shares its parent's blocks) and copies a shared block on write.
 
-It counts integers only; the tensors live in the model runner (which does the copies listed here). A full block is keyed by a hash chained to
-its parent's hash, its own token ids and the model's identity, so equal keys mean equal prefixes of one model (token ids
+It counts integers only; the tensors live in the model runner (which does the copies listed here). A full block is
+keyed by a hash chained to its parent's hash, its own token ids and the model's identity, so equal keys mean equal
+prefixes of one model (token ids
 are compared on a hit as well, so a hash collision can never serve the wrong cache). The hash is a fixed digest, not
 Python's salted `hash`, so that two processes (prefill and decode workers, replicas behind a router) agree on it.
 """
@@ -100,12 +101,18 @@ class BlockManager:
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks `seq` needs so that its first `num_tokens` tokens have slots (and the block it writes
         next is its own)."""
-        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table)) + self._shared_write_block(seq, num_tokens)
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table)) + self._shared_write_block(
+            seq, num_tokens
+        )
 
     def _shared_write_block(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether the next tokens of `seq` would be written into a block another sequence also holds."""
         index = seq.num_computed_tokens // self.block_size
-        return num_tokens > seq.num_computed_tokens and index < len(seq.block_table) and self.blocks[seq.block_table[index]].ref_count > 1
+        return (
+            num_tokens > seq.num_computed_tokens
+            and index < len(seq.block_table)
+            and self.blocks[seq.block_table[index]].ref_count > 1
+        )
 
     def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
         """Give `child` (holding no blocks) the blocks of `parent`'s first `num_tokens` tokens, by reference.

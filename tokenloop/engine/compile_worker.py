@@ -23,7 +23,9 @@ from tokenloop.models.loader import load_model
 def main(argv: list[str]) -> int:
     spec, target = CompileSpec(**json.loads(argv[0])), argv[1]  # target: the package path the parent expects
     device = torch.device(spec.device)
-    loaded = load_model(spec.model, DTYPES[spec.dtype], device, load_tokenizer=False, keep_quantized=spec.keep_quantized)
+    loaded = load_model(
+        spec.model, DTYPES[spec.dtype], device, load_tokenizer=False, keep_quantized=spec.keep_quantized
+    )
     # A runner of 4 blocks binds the caches as the engine's does (the slot count is dynamic in the package).
     caches = ModelRunner(loaded.model, loaded.config, 4, spec.block_size, DTYPES[spec.kv_dtype], device).forward.caches
     computed = package_path(loaded.model, caches, spec.block_size)
@@ -32,7 +34,10 @@ def main(argv: list[str]) -> int:
         return 1
     start = time.perf_counter()
     built = build_package(loaded.model, caches, spec.block_size, Path(target))
-    print(f"{'built' if built else 'found (built by another process)'} {target} in {time.perf_counter() - start:.0f} s", flush=True)
+    print(
+        f"{'built' if built else 'found (built by another process)'} {target} in {time.perf_counter() - start:.0f} s",
+        flush=True,
+    )
     return 0
 
 

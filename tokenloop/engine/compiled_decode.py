@@ -60,13 +60,26 @@ class DecodeStep(nn.Module):
         super().__init__()
         self.model, self.block_size = model, block_size
 
-    def forward(self, input_ids, positions, slot_mapping, block_tables, query_start, query_count, first_position, k_caches, v_caches):
+    def forward(
+        self,
+        input_ids,
+        positions,
+        slot_mapping,
+        block_tables,
+        query_start,
+        query_count,
+        first_position,
+        k_caches,
+        v_caches,
+    ):
         layers = self.model.attention_layers()
         bound = [(attn.k_cache, attn.v_cache) for attn in layers]
         try:
             for attn, k, v in zip(layers, k_caches, v_caches):
                 attn.k_cache, attn.v_cache = k, v
-            meta = AttentionMetadata(slot_mapping, block_tables, query_start, query_count, first_position, self.block_size)
+            meta = AttentionMetadata(
+                slot_mapping, block_tables, query_start, query_count, first_position, self.block_size
+            )
             return self.model(input_ids, positions, meta)
         finally:
             for attn, (k, v) in zip(layers, bound):
@@ -80,8 +93,15 @@ def example_inputs(input_ids: torch.Tensor, caches: list[torch.Tensor]) -> tuple
     num_layers = len(caches) // 2
     tensor = functools.partial(torch.tensor, dtype=torch.int64, device=device)
     return (
-        input_ids.new_zeros(3), tensor([1, 2, 2]), tensor([1, 2, 34]), tensor([[0, 1], [2, 3]]), tensor([0, 2]), tensor([2, 1]), tensor([1, 2]),
-        caches[:num_layers], caches[num_layers:],
+        input_ids.new_zeros(3),
+        tensor([1, 2, 2]),
+        tensor([1, 2, 34]),
+        tensor([[0, 1], [2, 3]]),
+        tensor([0, 2]),
+        tensor([2, 1]),
+        tensor([1, 2]),
+        caches[:num_layers],
+        caches[num_layers:],
     )
 
 
@@ -95,7 +115,13 @@ def package_key(model: nn.Module, caches: list[torch.Tensor], block_size: int) -
     """What the compiled code depends on: the model's structure and config, every tensor's dtype and shape,
     which kernels it calls, the caches' dtype and device and block size, the CPU count (inductor decides its
     loops' split by it), and the sources of torch and of tokenloop's model code."""
-    parts = [str(model), repr(getattr(model, "config", None)), torch.__version__, str(os.cpu_count()), f"block_size={block_size}"]
+    parts = [
+        str(model),
+        repr(getattr(model, "config", None)),
+        torch.__version__,
+        str(os.cpu_count()),
+        f"block_size={block_size}",
+    ]
     parts += [f"{name}:{t.dtype}:{tuple(t.shape)}:{t.device.type}" for name, t in named_tensors(model).items()]
     parts += [f"{name}:{getattr(m, 'cpu_kernel', None)}" for name, m in model.named_modules()]
     kv_heads, _, head_dim = caches[0].shape  # [kv_heads, slots, head_dim]: the slot count is dynamic
@@ -127,15 +153,29 @@ def _build(model: nn.Module, caches: list[torch.Tensor], block_size: int, target
     from torch.export import Dim
 
     use_tokenloop_cache_dir()
-    tokens, seqs, blocks, slots = Dim("tokens", min=1, max=2**16), Dim("seqs", min=1, max=2**16), Dim("blocks", min=1, max=2**20), Dim("slots", min=6, max=2**31)
+    tokens, seqs, blocks, slots = (
+        Dim("tokens", min=1, max=2**16),
+        Dim("seqs", min=1, max=2**16),
+        Dim("blocks", min=1, max=2**20),
+        Dim("slots", min=6, max=2**31),
+    )
     num_layers = len(caches) // 2
     dynamic_shapes = (
-        {0: tokens}, {0: tokens}, {0: tokens}, {0: seqs, 1: blocks}, {0: seqs}, {0: seqs}, {0: seqs},
-        [{1: slots}] * num_layers, [{1: slots}] * num_layers,
+        {0: tokens},
+        {0: tokens},
+        {0: tokens},
+        {0: seqs, 1: blocks},
+        {0: seqs},
+        {0: seqs},
+        {0: seqs},
+        [{1: slots}] * num_layers,
+        [{1: slots}] * num_layers,
     )
     with torch.no_grad():
         step = DecodeStep(model, block_size)
-        program = torch.export.export(step, example_inputs(torch.zeros(1, dtype=torch.int64), caches), dynamic_shapes=dynamic_shapes, strict=False)
+        program = torch.export.export(
+            step, example_inputs(torch.zeros(1, dtype=torch.int64), caches), dynamic_shapes=dynamic_shapes, strict=False
+        )
     configs = {
         "aot_inductor.package_constants_in_so": False,  # at load the package is given the model's own tensors
         # Loops are split for the machine's cores, and the code asks OpenMP for its thread count when it runs:
@@ -178,8 +218,15 @@ class DecodeForward:
     `background`: build a missing package in a child process and switch to it when it is ready (else build
     it here, before the first step)."""
 
-    def __init__(self, model: nn.Module, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], block_size: int, compile: bool,
-                 background: CompileSpec | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        block_size: int,
+        compile: bool,
+        background: CompileSpec | None = None,
+    ) -> None:
         self.model, self.block_size = model, block_size
         self.caches = [*k_caches, *v_caches]
         self.compiled = None
@@ -201,7 +248,9 @@ class DecodeForward:
 
     def _load(self):
         device = self.caches[0].device
-        loader = torch._C._aoti.AOTIModelPackageLoader(str(self.path), "model", False, 1, -1 if device.index is None else device.index)
+        loader = torch._C._aoti.AOTIModelPackageLoader(
+            str(self.path), "model", False, 1, -1 if device.index is None else device.index
+        )
         tensors = {f"model.{name}": t.data for name, t in named_tensors(self.model).items()}
         # user_managed: the package reads these tensors where they are, without copying them.
         loader.load_constants({name: tensors[name] for name in loader.get_constant_fqns()}, False, True, True)
@@ -214,16 +263,30 @@ class DecodeForward:
         worker, self.worker = self.worker, None
         if worker.returncode != 0 or not self.path.exists():
             log = self.path.with_suffix(".log")
-            warnings.warn(f"the background compile of the decode step failed (exit status {worker.returncode}, see {log}): running eager", stacklevel=2)
+            warnings.warn(
+                f"the background compile of the decode step failed (exit status {worker.returncode}, see {log}): "
+                "running eager",
+                stacklevel=2,
+            )
             return
         self.compiled = self._load()
         logger.info("decode steps now run the compiled package")
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, decode_only: bool) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, decode_only: bool
+    ) -> torch.Tensor:
         if decode_only and self.worker is not None:
             self.poll()
         if self.compiled is not None and decode_only:
-            inputs = [input_ids, positions, meta.slot_mapping, meta.block_tables, meta.query_start, meta.query_count, meta.first_position]
+            inputs = [
+                input_ids,
+                positions,
+                meta.slot_mapping,
+                meta.block_tables,
+                meta.query_start,
+                meta.query_count,
+                meta.first_position,
+            ]
             return self.compiled.run(inputs + self.caches)[0]
         return self.model(input_ids, positions, meta)
 
@@ -248,7 +311,16 @@ def _start_worker(spec: CompileSpec, target: Path) -> subprocess.Popen:
     with open(log, "ab") as out:
         worker = subprocess.Popen(
             [sys.executable, "-m", "tokenloop.engine.compile_worker", json.dumps(asdict(spec)), str(target)],
-            stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env, start_new_session=True, preexec_fn=_lower_priority_and_bound_memory,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_lower_priority_and_bound_memory,
         )
-    logger.info("compiling the decode step in the background (%s); running eager until it is ready. Log: %s", BUILD_MINUTES_HINT, log)
+    logger.info(
+        "compiling the decode step in the background (%s); running eager until it is ready. Log: %s",
+        BUILD_MINUTES_HINT,
+        log,
+    )
     return worker

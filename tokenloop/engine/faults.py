@@ -1,7 +1,7 @@
 """Fault injection, for tests: one engine stage fails (or stalls) for the sequences whose prompt holds a marker token.
 
-`tokenloop serve --inject-fault STAGE:TOKEN_ID` (repeatable) sets it on a real server process, so that a test can check that a
-failure tied to one request fails that request alone, and that /health notices a stalled step loop.
+`tokenloop serve --inject-fault STAGE:TOKEN_ID` (repeatable) sets it on a real server process, so that a test can
+check that a failure tied to one request fails that request alone, and that /health notices a stalled step loop.
 """
 
 from __future__ import annotations

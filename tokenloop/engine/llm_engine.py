@@ -22,8 +22,8 @@ from tokenloop.engine.faults import FaultInjection, InjectedFault
 from tokenloop.engine.model_runner import ModelInput, ModelRunner, PromptScores, StepSamples, kv_bytes_per_block
 from tokenloop.engine.output_processor import CompletionState, OutputProcessor, RequestState
 from tokenloop.engine.scheduler import ScheduledBatch, Scheduler
-from tokenloop.engine.threads import default_threads
 from tokenloop.engine.sequence import Sequence
+from tokenloop.engine.threads import default_threads
 from tokenloop.models.loader import load_model
 from tokenloop.outputs import CompletionOutput, RequestOutput
 from tokenloop.sampling.params import SamplingParams
@@ -47,9 +47,17 @@ def _check_device(device: str) -> None:
         kind = torch.device(device).type
     except RuntimeError as e:
         raise ValueError(f"device {device!r} is not a torch device: {e}") from None
-    if kind != "cpu" and not (torch.accelerator.is_available() and torch.accelerator.current_accelerator().type == kind):
-        build = "a CPU-only build" if torch.version.cuda is None and torch.version.hip is None else f"built for {torch.version.cuda or torch.version.hip}"
-        raise ValueError(f"device {device!r} is not available: this torch {torch.__version__} is {build} (see the README on GPUs)")
+    if kind != "cpu" and not (
+        torch.accelerator.is_available() and torch.accelerator.current_accelerator().type == kind
+    ):
+        build = (
+            "a CPU-only build"
+            if torch.version.cuda is None and torch.version.hip is None
+            else f"built for {torch.version.cuda or torch.version.hip}"
+        )
+        raise ValueError(
+            f"device {device!r} is not available: this torch {torch.__version__} is {build} (see the README on GPUs)"
+        )
 
 
 def compile_by_default() -> bool:
@@ -75,7 +83,9 @@ class EngineConfig:
     # compiles it first. TOKENLOOP_COMPILE=0 in the environment turns the default off.
     compile: bool = field(default_factory=compile_by_default)
     compile_in_background: bool = True
-    threads: int | None = None  # CPU threads for the step (torch.set_num_threads); None = one per idle core (engine/threads.py)
+    threads: int | None = (
+        None  # CPU threads for the step (torch.set_num_threads); None = one per idle core (engine/threads.py)
+    )
     inject_faults: tuple[str, ...] = ()  # tests only: "STAGE:TOKEN_ID" each (engine/faults.py)
     # Speculative decoding (spec_decode/): {"method": "ngram" | "draft", "num_speculative_tokens": k, ...}; None = off.
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
@@ -108,7 +118,9 @@ class EngineConfig:
         they are, else float16, converted to float32 as attention reads it. The exact path keeps its own dtype."""
         if self.dtype != "auto":
             return self.torch_dtype
-        return torch.bfloat16 if self.torch_device.type == "cpu" and kernels.bfloat16_cache_supported() else torch.float16
+        return (
+            torch.bfloat16 if self.torch_device.type == "cpu" and kernels.bfloat16_cache_supported() else torch.float16
+        )
 
     @property
     def torch_device(self) -> torch.device:
@@ -125,21 +137,35 @@ class LLMEngine:
         threads = config.threads if config.threads is not None else default_threads()
         if threads != torch.get_num_threads():
             if config.threads is None:
-                logger.info("using %d CPU thread(s): other processes keep the other cores busy (--threads sets it)", threads)
+                logger.info(
+                    "using %d CPU thread(s): other processes keep the other cores busy (--threads sets it)", threads
+                )
             torch.set_num_threads(threads)
         loaded = load_model(config.model, dtype, device, keep_quantized=config.dtype == "auto")
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings)
-        num_blocks = int(config.kv_cache_gb * 2**30) // kv_bytes_per_block(loaded.config, config.block_size, config.kv_cache_dtype)
+        self.max_model_len = min(
+            config.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings
+        )
+        num_blocks = int(config.kv_cache_gb * 2**30) // kv_bytes_per_block(
+            loaded.config, config.block_size, config.kv_cache_dtype
+        )
         if num_blocks < 1:
             raise ValueError(f"kv_cache_gb={config.kv_cache_gb} does not hold one KV block of this model")
         # Blocks' K/V depend on the weights, on their precision ("auto" keeps them quantized) and on the cache's dtype.
         identity = f"{weights_fingerprint(loaded.path)} dtype={config.dtype} kv={config.kv_cache_dtype}"
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, identity)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, config.kv_cache_dtype, device, config.compile,
-                                  self._compile_spec(config)(loaded.path) if config.compile and config.compile_in_background else None)
+        self.runner = ModelRunner(
+            loaded.model,
+            loaded.config,
+            num_blocks,
+            config.block_size,
+            config.kv_cache_dtype,
+            device,
+            config.compile,
+            self._compile_spec(config)(loaded.path) if config.compile and config.compile_in_background else None,
+        )
         self.speculator = self._speculator(config, num_blocks) if config.speculative_config is not None else None
         # While the background compile runs it takes a core: a step on every core would wait for the one it shares
         # (SmolLM2's eager decode on 2 cores fell from 102 to 39 tokens/s; on one thread it kept 93).
@@ -147,7 +173,9 @@ class LLMEngine:
         if self.runner.forward.worker is not None and config.threads is None and threads > 1:
             self._threads_after_compile = threads
             torch.set_num_threads(threads - 1)
-        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len, speculative=self.speculator is not None)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, self.max_model_len, speculative=self.speculator is not None
+        )
         self.requests: dict[str, RequestState] = {}
         self._by_seq: dict[str, tuple[RequestState, CompletionState]] = {}  # running completions by sequence id
         self._ids = itertools.count()
@@ -159,8 +187,12 @@ class LLMEngine:
     def _compile_spec(config: EngineConfig):
         """How a background compile loads a model of this config: model path -> CompileSpec."""
         return lambda path: CompileSpec(
-            str(path), str(config.torch_dtype).removeprefix("torch."), str(config.torch_device), config.dtype == "auto",
-            str(config.kv_cache_dtype).removeprefix("torch."), config.block_size,
+            str(path),
+            str(config.torch_dtype).removeprefix("torch."),
+            str(config.torch_device),
+            config.dtype == "auto",
+            str(config.kv_cache_dtype).removeprefix("torch."),
+            config.block_size,
         )
 
     def _speculator(self, config: EngineConfig, num_blocks: int) -> Speculator:
@@ -168,11 +200,25 @@ class LLMEngine:
         if spec.method == "ngram":
             proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         else:  # the draft model's own config: its dtype, the target's device, cache blocks and compile setting
-            draft = EngineConfig(model=spec.model or config.model, dtype=spec.dtype, device=config.device, block_size=config.block_size,
-                                 compile=config.compile, compile_in_background=config.compile_in_background)
+            draft = EngineConfig(
+                model=spec.model or config.model,
+                dtype=spec.dtype,
+                device=config.device,
+                block_size=config.block_size,
+                compile=config.compile,
+                compile_in_background=config.compile_in_background,
+            )
             proposer = DraftModelProposer.load(
-                draft.model, draft.torch_dtype, draft.kv_cache_dtype, draft.dtype == "auto", draft.torch_device, self.model_config.vocab_size,
-                num_blocks, config.block_size, draft.compile, self._compile_spec(draft) if draft.compile and draft.compile_in_background else None,
+                draft.model,
+                draft.torch_dtype,
+                draft.kv_cache_dtype,
+                draft.dtype == "auto",
+                draft.torch_device,
+                self.model_config.vocab_size,
+                num_blocks,
+                config.block_size,
+                draft.compile,
+                self._compile_spec(draft) if draft.compile and draft.compile_in_background else None,
             )
         return Speculator(spec, proposer, self.max_model_len, set(self.tokenizer.eos_token_ids))
 
@@ -199,19 +245,35 @@ class LLMEngine:
         self.validate_prompt(token_ids, params)
         return {"prompt": text, "prompt_token_ids": token_ids}
 
-    def chat_prompt(self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True, tools: ToolCalling | None = None,
-                    continue_final_message: bool = False) -> dict[str, Any]:
+    def chat_prompt(
+        self,
+        conversation: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: ToolCalling | None = None,
+        continue_final_message: bool = False,
+    ) -> dict[str, Any]:
         """A conversation as a prompt: the chat template's text and its token ids (special tokens parsed). Tools
         reach the template when it takes them, else the default rendering (tools/calling.py)."""
         kwargs: dict[str, Any] = {}
         if tools is not None:
-            conversation, kwargs = tools.render(conversation, template_takes_tools="tools" in (self.tokenizer.chat_template or ""))
-        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                  continue_final_message=continue_final_message, **kwargs)
+            conversation, kwargs = tools.render(
+                conversation, template_takes_tools="tools" in (self.tokenizer.chat_template or "")
+            )
+        text = self.tokenizer.apply_chat_template(
+            conversation,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **kwargs,
+        )
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | BeamSearchParams | None = None, request_id: str | None = None,
-                    retain: bool = False) -> str:
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | BeamSearchParams | None = None,
+        request_id: str | None = None,
+        retain: bool = False,
+    ) -> str:
         """Queue a request. `retain` (n = 1): once it finishes, its sequence keeps its KV blocks, for
         fork_request to continue it, until release_request."""
         if isinstance(params, BeamSearchParams):
@@ -224,8 +286,14 @@ class LLMEngine:
         request_id = self._request_id(request_id)
         if params.max_tokens is None:  # up to the context length
             params = replace(params, max_tokens=self.max_model_len - len(token_ids))
-        request = RequestState(request_id, text, token_ids, params, prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
-                               retain=retain)
+        request = RequestState(
+            request_id,
+            text,
+            token_ids,
+            params,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            retain=retain,
+        )
         self.requests[request_id] = request
         # The other n - 1 completions fork off this one once it has prefilled the prompt (_update).
         self._add_completion(request)
@@ -245,13 +313,24 @@ class LLMEngine:
         generator = None
         if params.seed is not None:  # completion i of a seeded request uses seed + i, as vLLM does
             generator = torch.Generator(self.config.torch_device).manual_seed(params.seed + index)
-        seq = Sequence(f"{request.request_id}/{index}", list(request.prompt_token_ids), len(request.prompt_token_ids), params, generator)
+        seq = Sequence(
+            f"{request.request_id}/{index}",
+            list(request.prompt_token_ids),
+            len(request.prompt_token_ids),
+            params,
+            generator,
+        )
         seq.score_prompt = index == 0 and params.prompt_logprobs is not None  # the others share its prompt
         seq.controls = LogitControls.for_request(
-            params, seq.num_prompt_tokens, lambda text: self.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_token_ids,
+            params,
+            seq.num_prompt_tokens,
+            lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+            self.tokenizer.eos_token_ids,
             self.grammars() if params.structured_outputs is not None else None,
         )
-        detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop, params.skip_special_tokens)
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, params.stop, params.skip_special_tokens
+        )
         request.completions.append(CompletionState(index, seq, detokenizer))
         self._by_seq[seq.seq_id] = (request, request.completions[-1])
         return seq
@@ -259,31 +338,48 @@ class LLMEngine:
     def grammars(self) -> GrammarCompiler:
         """llguidance's view of this engine's tokenizer, built on the first structured request (about a second)."""
         if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.model_config.vocab_size, self.tokenizer.eos_token_ids)
+            self._grammars = GrammarCompiler(
+                self.tokenizer.backend.to_str(), self.model_config.vocab_size, self.tokenizer.eos_token_ids
+            )
         return self._grammars
 
     def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
             raise ValueError("the prompt is empty")
         if params.structured_outputs is not None:
-            self.grammars().grammar(params.structured_outputs)  # compiled (and cached) now: a bad spec is a ValueError here
+            self.grammars().grammar(
+                params.structured_outputs
+            )  # compiled (and cached) now: a bad spec is a ValueError here
         vocab = self.model_config.vocab_size
-        for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or [])):
+        for name, ids in (
+            ("logit_bias", params.logit_bias or {}),
+            ("allowed_token_ids", params.allowed_token_ids or []),
+        ):
             if bad := [t for t in ids if t >= vocab]:
                 raise ValueError(f"{name} has token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
         if bad := [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]:
             raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
         # The field to blame is max_tokens when the prompt alone leaves room for a token.
-        for limit, what in ((self.max_model_len, "the context length"), (self.block_manager.num_blocks * self.block_manager.block_size, "the KV cache's size")):
+        for limit, what in (
+            (self.max_model_len, "the context length"),
+            (self.block_manager.num_blocks * self.block_manager.block_size, "the KV cache's size"),
+        ):
             if len(token_ids) + 1 > limit:
-                raise ValueError(f"the prompt has {len(token_ids)} tokens: no room for one more within {what} of {limit} tokens")
+                raise ValueError(
+                    f"the prompt has {len(token_ids)} tokens: no room for one more within {what} of {limit} tokens"
+                )
             if len(token_ids) + (params.max_tokens or 1) > limit:
                 raise ValueError(
                     f"max_tokens is {params.max_tokens}: with the prompt's {len(token_ids)} tokens that makes "
                     f"{len(token_ids) + params.max_tokens}, beyond {what} of {limit} tokens"
                 )
-        if params.max_tokens is None and params.min_tokens > self.max_model_len - len(token_ids):  # (with max_tokens, SamplingParams checks)
-            raise ValueError(f"min_tokens ({params.min_tokens}) must not exceed max_tokens (up to the context: {self.max_model_len - len(token_ids)})")
+        if params.max_tokens is None and params.min_tokens > self.max_model_len - len(
+            token_ids
+        ):  # (with max_tokens, SamplingParams checks)
+            raise ValueError(
+                f"min_tokens ({params.min_tokens}) must not exceed max_tokens "
+                f"(up to the context: {self.max_model_len - len(token_ids)})"
+            )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Drop a request and free its KV blocks at once; returns its last output, every unfinished completion
@@ -392,9 +488,12 @@ class LLMEngine:
             kept.num_new_tokens.append(n)
         return (self.runner.prepare(kept) if kept else None), kept
 
-    def _run(self, inp: ModelInput, batch: ScheduledBatch, failed: dict[str, Exception]) -> tuple[StepSamples | None, list[PromptScores]]:
+    def _run(
+        self, inp: ModelInput, batch: ScheduledBatch, failed: dict[str, Exception]
+    ) -> tuple[StepSamples | None, list[PromptScores]]:
         """The forward pass, then sampling and prompt scoring. A failed forward pass fails every request of the
-        batch (none can be blamed); a failed sampling is retried row by row, so that only the rows that fail are lost."""
+        batch (none can be blamed); a failed sampling is retried row by row, so that only the rows that fail are
+        lost."""
         try:
             logits = self.runner.logits(inp)
         except Exception as e:
@@ -433,8 +532,14 @@ class LLMEngine:
                 parts.append(StepSamples([-1], None, None, None, [1]))  # a placeholder row, never read
         return StepSamples.concat(parts), scores
 
-    def _update(self, batch: ScheduledBatch, inp: ModelInput | None, samples: StepSamples | None, scores: list[PromptScores],
-                failed: dict[str, Exception]) -> list[RequestOutput]:
+    def _update(
+        self,
+        batch: ScheduledBatch,
+        inp: ModelInput | None,
+        samples: StepSamples | None,
+        scores: list[PromptScores],
+        failed: dict[str, Exception],
+    ) -> list[RequestOutput]:
         """The post-step update, for the requests that did not fail, in this order: store prompt logprobs; append each
         sampling sequence's new tokens (a verified draft's accepted tokens and one more; a beam's row waits for its
         siblings'); step num_computed_tokens on (rejected draft tokens' slots are abandoned and the blocks past the
@@ -448,7 +553,9 @@ class LLMEngine:
         new_tokens: dict[int, int] = {}  # batch index -> tokens its sequence got this step
         appended: list[tuple[RequestState, CompletionState]] = []
         beams: dict[str, RequestState] = {}
-        for index, rows in zip(inp.sample_seq_indices if samples is not None else [], samples.rows_of() if samples is not None else []):
+        for index, rows in zip(
+            inp.sample_seq_indices if samples is not None else [], samples.rows_of() if samples is not None else []
+        ):
             seq = batch.seqs[index]
             request, completion = self._by_seq[seq.seq_id]
             if request.request_id in failed:
@@ -593,7 +700,12 @@ class LLMEngine:
         for c in continuations:
             parent = c.parent.seq
             if parent.seq_id in taken:
-                child = Sequence(f"{request.request_id}/{next(search.beam_ids)}", list(parent.token_ids), parent.num_prompt_tokens, parent.params)
+                child = Sequence(
+                    f"{request.request_id}/{next(search.beam_ids)}",
+                    list(parent.token_ids),
+                    parent.num_prompt_tokens,
+                    parent.params,
+                )
                 self.scheduler.fork(parent, self._new_beam(request, child), parent.num_computed_tokens)
                 seqs.append(child)
             else:
@@ -610,8 +722,15 @@ class LLMEngine:
             return None
         del self.requests[request.request_id]
         completions = [
-            CompletionOutput(i, self.tokenizer.decode(h.token_ids, skip_special_tokens=True), h.token_ids, h.logprob, None,
-                             "stop" if h.ended_by_eos else "length", None)
+            CompletionOutput(
+                i,
+                self.tokenizer.decode(h.token_ids, skip_special_tokens=True),
+                h.token_ids,
+                h.logprob,
+                None,
+                "stop" if h.ended_by_eos else "length",
+                None,
+            )
             for i, h in enumerate(search.best())
         ]
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished=True)

@@ -16,33 +16,71 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20,
 class EngineMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.ttft = Histogram("tokenloop_time_to_first_token_seconds", "Request arrival to first token", buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("tokenloop_inter_token_latency_seconds", "Time between two tokens of a request", buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("tokenloop_e2e_request_latency_seconds", "Request arrival to its last token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "tokenloop_time_to_first_token_seconds",
+            "Request arrival to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "tokenloop_inter_token_latency_seconds",
+            "Time between two tokens of a request",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "tokenloop_e2e_request_latency_seconds",
+            "Request arrival to its last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.running = Gauge("tokenloop_num_requests_running", "Sequences in the running batch", registry=r)
         self.waiting = Gauge("tokenloop_num_requests_waiting", "Sequences waiting to be scheduled", registry=r)
-        self.paused = Gauge("tokenloop_num_requests_paused", "Sequences paused until their reader catches up", registry=r)
+        self.paused = Gauge(
+            "tokenloop_num_requests_paused", "Sequences paused until their reader catches up", registry=r
+        )
         self.blocks_used = Gauge("tokenloop_kv_cache_blocks_in_use", "KV blocks referenced by sequences", registry=r)
         self.blocks_total = Gauge("tokenloop_kv_cache_blocks_total", "KV blocks in the pool", registry=r)
         self.sliding_idle = Gauge(
-            "tokenloop_kv_cache_sliding_window_idle_bytes", "KV bytes of sliding-window layers wholly outside their window (never read again)", registry=r
+            "tokenloop_kv_cache_sliding_window_idle_bytes",
+            "KV bytes of sliding-window layers wholly outside their window (never read again)",
+            registry=r,
         )
-        self.prefix_hit_rate = Gauge("tokenloop_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up", registry=r)
+        self.prefix_hit_rate = Gauge(
+            "tokenloop_prefix_cache_hit_rate",
+            "Prompt tokens served from the prefix cache / prompt tokens looked up",
+            registry=r,
+        )
         self.prompt_tokens = Counter("tokenloop_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("tokenloop_generation_tokens", "Generated tokens", registry=r)
         self.preemptions = Counter("tokenloop_num_preemptions", "Sequences preempted for lack of KV blocks", registry=r)
         self._preemptions_seen = 0
         # Speculative decoding (vLLM's names, tokenloop's prefix): counters of the speculator's totals.
-        self.spec_drafts = Counter("tokenloop_spec_decode_num_drafts", "Drafts verified (sequence-steps with draft tokens)", registry=r)
-        self.spec_draft_tokens = Counter("tokenloop_spec_decode_num_draft_tokens", "Draft tokens proposed and verified", registry=r)
-        self.spec_accepted_tokens = Counter("tokenloop_spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.spec_drafts = Counter(
+            "tokenloop_spec_decode_num_drafts", "Drafts verified (sequence-steps with draft tokens)", registry=r
+        )
+        self.spec_draft_tokens = Counter(
+            "tokenloop_spec_decode_num_draft_tokens", "Draft tokens proposed and verified", registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "tokenloop_spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r
+        )
         self.spec_accepted_per_pos = Counter(
-            "tokenloop_spec_decode_num_accepted_tokens_per_pos", "Drafts whose token at this position was accepted", ["position"], registry=r
+            "tokenloop_spec_decode_num_accepted_tokens_per_pos",
+            "Drafts whose token at this position was accepted",
+            ["position"],
+            registry=r,
         )
         self.spec_mean_accepted_length = Gauge(
-            "tokenloop_spec_decode_mean_accepted_length", "Tokens per verifying step (accepted draft tokens + 1), since the start", registry=r
+            "tokenloop_spec_decode_mean_accepted_length",
+            "Tokens per verifying step (accepted draft tokens + 1), since the start",
+            registry=r,
         )
-        self.spec_draft_length = Gauge("tokenloop_spec_decode_draft_length", "Mean draft length the cost model chose in the latest step", registry=r)
+        self.spec_draft_length = Gauge(
+            "tokenloop_spec_decode_draft_length",
+            "Mean draft length the cost model chose in the latest step",
+            registry=r,
+        )
         self._spec_seen = SpecStats()
 
     def observe_engine(self, engine: LLMEngine) -> None:
@@ -53,8 +91,14 @@ class EngineMetrics:
         self.paused.set(len(scheduler.paused))
         self.blocks_used.set(blocks.num_used_blocks)
         self.blocks_total.set(blocks.num_blocks)
-        self.sliding_idle.set(sliding_window_idle_bytes(engine.model_config, engine.config.block_size, engine.config.kv_cache_dtype,
-                                                        [seq.num_tokens for seq in scheduler.running]))
+        self.sliding_idle.set(
+            sliding_window_idle_bytes(
+                engine.model_config,
+                engine.config.block_size,
+                engine.config.kv_cache_dtype,
+                [seq.num_tokens for seq in scheduler.running],
+            )
+        )
         if blocks.prefix_queried_tokens:
             self.prefix_hit_rate.set(blocks.prefix_hit_tokens / blocks.prefix_queried_tokens)
         self.preemptions.inc(scheduler.num_preemptions - self._preemptions_seen)

@@ -25,7 +25,6 @@ from tokenloop.models.config import ModelConfig
 from tokenloop.sampling.sampler import ProcessorInputs, Sampler, SamplerOutput, SamplingBatch, gather_logprobs
 from tokenloop.spec_decode.rejection_sampler import verify
 
-
 SCORE_ROWS = 256  # logit rows log-softmaxed at once when scoring a sequence's own tokens
 
 
@@ -71,7 +70,9 @@ class StepSamples:
     def from_sampler(cls, out: SamplerOutput, counts: list[int] | None = None) -> StepSamples:
         if out.logprobs is None:
             return cls(out.token_ids.tolist(), None, None, None, counts)
-        return cls(out.token_ids.tolist(), out.logprobs.tolist(), out.logprob_token_ids.tolist(), out.ranks.tolist(), counts)
+        return cls(
+            out.token_ids.tolist(), out.logprobs.tolist(), out.logprob_token_ids.tolist(), out.ranks.tolist(), counts
+        )
 
     def rows_of(self) -> list[range]:
         """Per sequence, its rows."""
@@ -81,7 +82,8 @@ class StepSamples:
 
     @classmethod
     def concat(cls, parts: list[StepSamples]) -> StepSamples:
-        """The rows of several samplings in order; rows of a part without logprobs get empty ones (they asked for none)."""
+        """The rows of several samplings in order; rows of a part without logprobs get empty ones (they asked for
+        none)."""
         with_logprobs = any(p.logprobs is not None for p in parts)
 
         def rows(name: str, p: StepSamples, empty) -> list:
@@ -99,7 +101,8 @@ class StepSamples:
 
 @dataclass(slots=True)
 class LogitSpan:
-    """The rows of a step's logits that belong to one sequence: its positions [first_position, first_position + count)."""
+    """The rows of a step's logits that belong to one sequence: its positions
+    [first_position, first_position + count)."""
 
     seq_index: int  # in the batch
     start: int  # its first row in the step's logits
@@ -165,7 +168,9 @@ class ModelRunner:
         layers = model.attention_layers()
         for attn in layers:
             attn.bind_cache(zeroed_pool(shape, kv_dtype, device), zeroed_pool(shape, kv_dtype, device))
-        self.forward = DecodeForward(model, [attn.k_cache for attn in layers], [attn.v_cache for attn in layers], block_size, compile, background)
+        self.forward = DecodeForward(
+            model, [attn.k_cache for attn in layers], [attn.v_cache for attn in layers], block_size, compile, background
+        )
         self.sampler = Sampler()
 
     def prepare(self, batch: ScheduledBatch) -> ModelInput:
@@ -183,7 +188,9 @@ class ModelRunner:
         lens = np.array(batch.num_new_tokens, dtype=np.int64)  # [B]
         ends = lens.cumsum()
         max_blocks = max(len(seq.block_table) for seq in batch.seqs)
-        block_tables = np.array([seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in batch.seqs], dtype=np.int64)
+        block_tables = np.array(
+            [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in batch.seqs], dtype=np.int64
+        )
         seq_of_token = np.repeat(np.arange(len(lens)), lens)  # [T]
         positions = np.arange(len(seq_of_token)) - (ends - lens)[seq_of_token] + starts[seq_of_token]  # [T]
         slot_mapping = block_tables[seq_of_token, positions // bs] * bs + positions % bs
@@ -192,16 +199,26 @@ class ModelRunner:
         # kernel gives every query row the same floats whatever the entry's size, so how a sequence is scheduled
         # changes no token.
         device = self.device
-        meta = AttentionMetadata(_to_device(slot_mapping, device), _to_device(block_tables, device), _to_device(ends - lens, device),
-                                 _to_device(lens, device), _to_device(starts, device), bs)
+        meta = AttentionMetadata(
+            _to_device(slot_mapping, device),
+            _to_device(block_tables, device),
+            _to_device(ends - lens, device),
+            _to_device(lens, device),
+            _to_device(starts, device),
+            bs,
+        )
         spans, logit_rows = [], []
-        for i, (seq, start, n, d, first_row) in enumerate(zip(batch.seqs, starts_list, batch.num_new_tokens, drafts, (ends - lens).tolist())):
+        for i, (seq, start, n, d, first_row) in enumerate(
+            zip(batch.seqs, starts_list, batch.num_new_tokens, drafts, (ends - lens).tolist())
+        ):
             # Position p's logits score token p + 1: a prompt being scored asks for the rows of its new prompt
             # positions; a sequence whose prefill has caught up asks for its last row, to sample from, and for
             # its draft's rows, to verify.
             num_scored = max(0, min(start + n, seq.num_prompt_tokens - 1) - start) if seq.score_prompt else 0
             samples = start + n == seq.num_tokens + d
-            assert not (num_scored and samples) or num_scored == n - 1, "a scored prompt runs up to the row that samples"
+            assert not (num_scored and samples) or num_scored == n - 1, (
+                "a scored prompt runs up to the row that samples"
+            )
             first, count = (start if num_scored else start + n - 1 - d), num_scored + samples * (1 + d)
             if count:
                 spans.append(LogitSpan(i, len(logit_rows), first, count, samples, d if samples else 0))
@@ -223,7 +240,9 @@ class ModelRunner:
         logits = self.logits(inp)
         if logits is None or not inp.sample_spans:
             return [], None
-        return inp.sample_seq_indices, self.sample(self.sample_logits(logits, inp), [batch.seqs[i] for i in inp.sample_seq_indices])
+        return inp.sample_seq_indices, self.sample(
+            self.sample_logits(logits, inp), [batch.seqs[i] for i in inp.sample_seq_indices]
+        )
 
     @torch.inference_mode()
     def logits(self, inp: ModelInput) -> torch.Tensor | None:
@@ -270,7 +289,9 @@ class ModelRunner:
             parts = []
             for r in range(0, span.num_scored, SCORE_ROWS):  # log_softmax a slice at a time: no second [R, V] copy
                 rows = slice(span.start + r, span.start + min(r + SCORE_ROWS, span.num_scored))
-                out = gather_logprobs(logits[rows].log_softmax(dim=-1), targets[r : r + SCORE_ROWS], seq.params.prompt_logprobs or 0)
+                out = gather_logprobs(
+                    logits[rows].log_softmax(dim=-1), targets[r : r + SCORE_ROWS], seq.params.prompt_logprobs or 0
+                )
                 parts.append(StepSamples.from_sampler(out))
             scores.append(PromptScores(span.seq_index, positions.start, StepSamples.concat(parts)))
         return scores
@@ -284,5 +305,7 @@ class ModelRunner:
         params = [s.params for s in seqs]
         processors = ProcessorInputs(params, [s.token_ids for s in seqs], [s.controls for s in seqs])
         num_logprobs = [s.num_candidates if s.num_candidates is not None else s.params.logprobs for s in seqs]
-        sampling = SamplingBatch.from_params(params, [s.generator for s in seqs], logits.shape[-1], logits.device, processors, num_logprobs)
+        sampling = SamplingBatch.from_params(
+            params, [s.generator for s in seqs], logits.shape[-1], logits.device, processors, num_logprobs
+        )
         return StepSamples.from_sampler(self.sampler(logits, sampling))

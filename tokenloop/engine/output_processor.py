@@ -12,7 +12,6 @@ from tokenloop.sampling.params import SamplingParams
 from tokenloop.tokenizer.detokenizer import IncrementalDetokenizer
 from tokenloop.tokenizer.tokenizer import Tokenizer
 
-
 # stop_reason of a structured request whose grammar the token bans left no token to choose.
 DEAD_END = "no token left: the grammar allows only banned tokens (bad_words, allowed_token_ids or min_tokens)"
 
@@ -40,7 +39,8 @@ class RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     completions: list[CompletionState] = field(default_factory=list)
-    # Per prompt token, with params.prompt_logprobs: its logprob and the top k; None for the first, which has no context.
+    # Per prompt token, with params.prompt_logprobs: its logprob and the top k; None for the first, which has no
+    # context.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     paused: bool = False  # out of the batches until its reader catches up (engine.pause_request)
     beam: BeamSearch | None = None  # a beam search's state (its beams are its sequences; no completions)

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from tokenloop.engine.llm_engine import LLMEngine
     from tokenloop.llm import LLM
 
+
 @dataclass(slots=True)
 class PerplexityResult:
     perplexity: float  # exp(nll)

@@ -43,7 +43,18 @@ SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # included by the sources: part of the build key
 # -ffp-contract=off: a * b + c stays two roundings, as in PyTorch's eager ops (gcc would fuse it into one FMA),
 # so that a kernel standing in for a chain of eager ops gives the same floats. FMAs are written out where wanted.
-CXX_FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-w"]
+CXX_FLAGS = [
+    "-O3",
+    "-std=c++20",
+    "-shared",
+    "-fPIC",
+    "-mavx2",
+    "-mfma",
+    "-mf16c",
+    "-ffp-contract=off",
+    "-fopenmp",
+    "-w",
+]
 # The library is built on the machine that runs it, so it may use what this CPU has beyond AVX2: AVX512-VNNI's
 # byte dot products, on 512-bit vectors (two groups of weight rows at once) and 256-bit ones (VL). Same results.
 VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
@@ -69,7 +80,11 @@ def cpu_kernels_available() -> bool:
             return True
         except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
             why = f"building or loading it failed: {getattr(e, 'stderr', None) or e}"
-    warnings.warn(f"tokenloop's CPU kernels are not used ({why}); quantized weights are dequantized for every product, which is slower", stacklevel=2)
+    warnings.warn(
+        f"tokenloop's CPU kernels are not used ({why}); "
+        "quantized weights are dequantized for every product, which is slower",
+        stacklevel=2,
+    )
     return False
 
 
@@ -116,7 +131,18 @@ def _built_library() -> Path:
     libraries = [f for p in cpp_extension.library_paths() for f in (f"-L{p}", f"-Wl,-rpath,{p}")]
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        command = [_compiler(), *flags, abi, *includes, *map(str, SOURCES), "-o", str(built), *libraries, "-lc10", "-ltorch_cpu"]
+        command = [
+            _compiler(),
+            *flags,
+            abi,
+            *includes,
+            *map(str, SOURCES),
+            "-o",
+            str(built),
+            *libraries,
+            "-lc10",
+            "-ltorch_cpu",
+        ]
         subprocess.run(command, check=True, capture_output=True, text=True)
         os.replace(built, target)  # atomic: a concurrent build or a reader never sees half a file
     return target

@@ -63,7 +63,9 @@ class KVCacheAttention(nn.Module):
         which gives each query row the same floats whatever else is in the call; elsewhere (a GPU) through SDPA
         over a gathered copy."""
         self.k_cache, self.v_cache = k_cache, v_cache
-        self.cpu_kernel = k_cache.device.type == "cpu" and kernels.attention_kernel_supports(k_cache.dtype, self.head_dim)
+        self.cpu_kernel = k_cache.device.type == "cpu" and kernels.attention_kernel_supports(
+            k_cache.dtype, self.head_dim
+        )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q: (T, num_heads, head_dim); k, v: (T, num_kv_heads, head_dim)
@@ -71,10 +73,21 @@ class KVCacheAttention(nn.Module):
         return self.attend(q, meta)
 
     def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention of the new tokens' queries (T, num_heads, head_dim), their K/V already in the cache: (T, hidden)."""
+        """Attention of the new tokens' queries (T, num_heads, head_dim), their K/V already in the cache:
+        (T, hidden)."""
         if self.cpu_kernel and q.dtype == torch.float32:
-            return torch.ops.tokenloop.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.block_size, meta.query_start,
-                                                       meta.query_count, meta.first_position, meta.window or 0, self.scale)
+            return torch.ops.tokenloop.paged_attention(
+                q,
+                self.k_cache,
+                self.v_cache,
+                meta.block_tables,
+                meta.block_size,
+                meta.query_start,
+                meta.query_count,
+                meta.first_position,
+                meta.window or 0,
+                self.scale,
+            )
         return self._sdpa(q, meta)
 
     def _sdpa(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -90,13 +103,22 @@ class KVCacheAttention(nn.Module):
         mask = k_pos <= q_pos
         if meta.window is not None:
             mask = mask & (k_pos > q_pos - meta.window)
-        mask = mask | (~mask.any(dim=-1, keepdim=True) & (k_pos == 0))  # padding queries keep key 0: no empty softmax row
+        mask = mask | (
+            ~mask.any(dim=-1, keepdim=True) & (k_pos == 0)
+        )  # padding queries keep key 0: no empty softmax row
         kv_heads, slots, d = self.k_cache.shape
         # The sequences' whole blocks, then their rows: (B, num_kv_heads, K, head_dim).
-        blocks = [gather(c.view(kv_heads, slots // bs, bs * d), 1, meta.block_tables).view(kv_heads, -1, d) for c in (self.k_cache, self.v_cache)]
-        keys, values = (x.view(kv_heads, len(meta.block_tables), -1, d)[:, :, :num_k].to(q.dtype).transpose(0, 1)
-                        for x in kv_layout.rows(*blocks, bs))
+        blocks = [
+            gather(c.view(kv_heads, slots // bs, bs * d), 1, meta.block_tables).view(kv_heads, -1, d)
+            for c in (self.k_cache, self.v_cache)
+        ]
+        keys, values = (
+            x.view(kv_heads, len(meta.block_tables), -1, d)[:, :, :num_k].to(q.dtype).transpose(0, 1)
+            for x in kv_layout.rows(*blocks, bs)
+        )
         queries = gather(q, 0, query_index).transpose(1, 2)  # (B, num_heads, Q, head_dim)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads
+        )
         out = out.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)  # (B * Q, hidden)
         return out.new_empty(q.shape[0], out.shape[1]).index_copy_(0, query_index[valid], out[valid.flatten()])

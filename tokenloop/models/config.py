@@ -35,21 +35,42 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scores are scaled by its inverse square root; None: head_dim
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"model config: {name} must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"model config: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        if self.rope_scaling is not None and self.rope_scaling.get("rope_type", "default") not in ("default", "linear", "llama3"):
-            raise ValueError(f"model config: unsupported rope_scaling {self.rope_scaling!r} (supported: linear, llama3)")
+            raise ValueError(
+                f"model config: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.rope_scaling is not None and self.rope_scaling.get("rope_type", "default") not in (
+            "default",
+            "linear",
+            "llama3",
+        ):
+            raise ValueError(
+                f"model config: unsupported rope_scaling {self.rope_scaling!r} (supported: linear, llama3)"
+            )
         if self.layer_types is not None:
             self.layer_types = tuple(self.layer_types)
             if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_TYPES):
-                raise ValueError(f"model config: layer_types must name one of {LAYER_TYPES} per layer ({self.num_layers}), got {self.layer_types!r}")
+                raise ValueError(
+                    f"model config: layer_types must name one of {LAYER_TYPES} per layer ({self.num_layers}), "
+                    f"got {self.layer_types!r}"
+                )
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise ValueError("model config: layer_types has sliding_attention layers but sliding_window is not set")
         if self.hidden_activation not in ACTIVATIONS:
-            raise ValueError(f"model config: hidden_activation must be one of {tuple(ACTIVATIONS)}, got {self.hidden_activation!r}")
+            raise ValueError(
+                f"model config: hidden_activation must be one of {tuple(ACTIVATIONS)}, got {self.hidden_activation!r}"
+            )
 
     def layer_window(self, layer: int) -> int | None:
         """How many positions layer `layer` attends back to (itself included); None: all of them."""
@@ -82,8 +103,12 @@ class ModelConfig:
         sliding_window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         layer_types = cfg.get("layer_types")
         pattern = cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern"))
-        if layer_types is None and pattern is not None:  # Gemma 3 before transformers wrote layer_types: every pattern-th layer is full
-            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(cfg["num_hidden_layers"])]
+        if (
+            layer_types is None and pattern is not None
+        ):  # Gemma 3 before transformers wrote layer_types: every pattern-th layer is full
+            layer_types = [
+                "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(cfg["num_hidden_layers"])
+            ]
         return cls(
             architecture=architectures[0],
             vocab_size=cfg["vocab_size"],
@@ -111,7 +136,11 @@ def _hf_rope(cfg: dict[str, Any]) -> tuple[float | None, dict[str, Any] | None, 
     """(rope_theta, rope_scaling, rope_local_theta) from any of config.json's spellings: transformers >= 5 folds
     theta and scaling into one `rope_parameters` dict, keyed by layer type where they differ (Gemma 3); earlier
     configs have rope_theta, rope_scaling and Gemma 3's rope_local_base_freq."""
-    rope_theta, rope_scaling, local_theta = cfg.get("rope_theta"), cfg.get("rope_scaling"), cfg.get("rope_local_base_freq")
+    rope_theta, rope_scaling, local_theta = (
+        cfg.get("rope_theta"),
+        cfg.get("rope_scaling"),
+        cfg.get("rope_local_base_freq"),
+    )
     params = cfg.get("rope_parameters")
     if params and "full_attention" in params:
         local = params.get("sliding_attention") or {}

@@ -33,7 +33,9 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_activation)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(rope, self.input_layernorm(x), meta))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 

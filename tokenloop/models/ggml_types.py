@@ -40,7 +40,9 @@ def q4_0_or_1(tensor_type: gguf.GGMLQuantizationType) -> Callable[[np.ndarray], 
         d = _halves(blocks[..., 0:2])
         packed = blocks[..., header:]
         q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(data.shape[0], -1)
-        offsets = d * np.float16(-8) if tensor_type == T.Q4_0 else _halves(blocks[..., 2:4])  # -8d: exact, a power of two
+        offsets = (
+            d * np.float16(-8) if tensor_type == T.Q4_0 else _halves(blocks[..., 2:4])
+        )  # -8d: exact, a power of two
         return Int4Tensor(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(offsets))
 
     return convert

@@ -41,7 +41,8 @@ _BLOCK_NAMES = {
 }
 # Gemma 3 normalises before and after attention and the MLP: its ffn_norm is the MLP's pre-norm.
 _ARCH_BLOCK_NAMES = {
-    "Gemma3ForCausalLM": _BLOCK_NAMES | {
+    "Gemma3ForCausalLM": _BLOCK_NAMES
+    | {
         "ffn_norm": "pre_feedforward_layernorm",
         "post_attention_norm": "post_attention_layernorm",
         "post_ffw_norm": "post_feedforward_layernorm",
@@ -141,7 +142,9 @@ def iter_gguf_weights(
             yield name, dequantize_rows(t.data, t.tensor_type)[rows]
 
 
-def dequantize_rows(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, rows_per_chunk: int = 4096) -> torch.Tensor:
+def dequantize_rows(
+    data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, rows_per_chunk: int = 4096
+) -> torch.Tensor:
     """gguf's dequantization into one float32 tensor, a block of rows at a time: its temporaries stay the size of
     a block instead of several copies of a large tensor (the embedding) at the peak of loading."""
     if data.ndim < 2 or data.shape[0] <= rows_per_chunk:
@@ -150,13 +153,19 @@ def dequantize_rows(data: np.ndarray, tensor_type: gguf.GGMLQuantizationType, ro
     out = torch.empty((data.shape[0], *first.shape[1:]), dtype=torch.float32)
     out[:rows_per_chunk] = torch.from_numpy(first)
     for start in range(rows_per_chunk, data.shape[0], rows_per_chunk):
-        out[start : start + rows_per_chunk] = torch.from_numpy(dequantize(data[start : start + rows_per_chunk], tensor_type))
+        out[start : start + rows_per_chunk] = torch.from_numpy(
+            dequantize(data[start : start + rows_per_chunk], tensor_type)
+        )
     return out
 
 
 def quantized_layouts(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, QuantLayout]:
     """Hugging Face name → layout of every tensor that iter_gguf_weights(keep_quantized=True) yields quantized."""
-    return {hf_name(t.name, config.architecture): GGML_FORMATS[t.tensor_type].layout for t in reader.tensors if _kept_quantized(t)}
+    return {
+        hf_name(t.name, config.architecture): GGML_FORMATS[t.tensor_type].layout
+        for t in reader.tensors
+        if _kept_quantized(t)
+    }
 
 
 def _kept_quantized(t: gguf.ReaderTensor) -> bool:

@@ -32,7 +32,9 @@ def _values(cache: torch.Tensor, block_size: int) -> torch.Tensor:
     return cache.view(kv_heads, slots // block_size, block_size // e, d, e).transpose(3, 4)
 
 
-def write(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int) -> None:
+def write(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int
+) -> None:
     """Token t's k[t] and v[t] ([T, kv_heads, head_dim] each) into slot slots[t]."""
     blocks, at = slots // block_size, slots % block_size
     e = pair_width(k_cache.dtype)

@@ -28,7 +28,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu" and kernels.cpu_kernels_available():
+        if (
+            x.dtype == self.weight.dtype == torch.float32
+            and x.dim() == 2
+            and x.device.type == "cpu"
+            and kernels.cpu_kernels_available()
+        ):
             # One kernel pass per row, in one order whatever the batch (eager and compiled steps alike).
             return torch.ops.tokenloop.rms_norm(x.contiguous(), self.weight, self.eps)
         # Normalise in float32 whatever the activation dtype, as the reference implementations do.
@@ -75,7 +80,8 @@ class RotaryEmbedding(nn.Module):
         self.sin = emb.sin()
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin at the given (T,) positions, (T, 1, head_dim) each: looked up once per forward, used by every layer."""
+        """cos and sin at the given (T,) positions, (T, 1, head_dim) each: looked up once per forward, used by
+        every layer."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 

@@ -39,16 +39,32 @@ class DecoderAttention(nn.Module):
         k = self.k_norm(k.unflatten(-1, (-1, self.head_dim))).flatten(-2)
         return torch.cat([q, k, v], dim=-1)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         num_heads, num_kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
         if self.attn.cpu_kernel and qkv.dtype == torch.float32:
-            # Normalise and rotate q and k and write k and v into the cache in one kernel pass (eager and compiled alike).
+            # Normalise and rotate q and k and write k and v into the cache in one kernel pass (eager and compiled
+            # alike).
             cos, sin = rope
             qkv = qkv.contiguous()
-            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else (None, None, 0.0)
-            torch.ops.tokenloop.rotary_cache_write(qkv, cos.squeeze(1), sin.squeeze(1), self.attn.k_cache, self.attn.v_cache, meta.slot_mapping,
-                                                   meta.block_size, num_heads, *norms)
+            norms = (
+                (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+                if self.q_norm is not None
+                else (None, None, 0.0)
+            )
+            torch.ops.tokenloop.rotary_cache_write(
+                qkv,
+                cos.squeeze(1),
+                sin.squeeze(1),
+                self.attn.k_cache,
+                self.attn.v_cache,
+                meta.slot_mapping,
+                meta.block_size,
+                num_heads,
+                *norms,
+            )
             return self.o_proj(self.attn.attend(qkv[:, : self.q_size].view(-1, num_heads, self.head_dim), meta))
         if self.q_norm is not None:
             qkv = self.normalize_qk(qkv)
@@ -66,7 +82,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_activation)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         x = x + self.self_attn(rope, self.input_layernorm(x), meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -82,7 +100,10 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         ropes = [config.layer_rope(i) for i in range(config.num_layers)]
         distinct = [rope for i, rope in enumerate(ropes) if rope not in ropes[:i]]
-        self.rotary = nn.ModuleList(RotaryEmbedding(config.head_dim, config.max_position_embeddings, theta, scaling) for theta, scaling in distinct)
+        self.rotary = nn.ModuleList(
+            RotaryEmbedding(config.head_dim, config.max_position_embeddings, theta, scaling)
+            for theta, scaling in distinct
+        )
         self.layer_rotary = [distinct.index(rope) for rope in ropes]  # per layer, its table in self.rotary
         self.layer_windows = [config.layer_window(i) for i in range(config.num_layers)]
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)

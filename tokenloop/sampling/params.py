@@ -43,7 +43,9 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted once from a token that appeared in the output, in [-2, 2]
     frequency_penalty: float = 0.0  # subtracted per appearance in the output, in [-2, 2]
     no_repeat_ngram_size: int = 0  # no n-gram of this size appears twice (prompt included); 0 = off
-    structured_outputs: StructuredOutputsParams | None = None  # a grammar every token must follow (sampling/structured.py)
+    structured_outputs: StructuredOutputsParams | None = (
+        None  # a grammar every token must follow (sampling/structured.py)
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,7 +66,9 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens}")
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.prompt_logprobs is not None and not (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+        if self.prompt_logprobs is not None and not (
+            _is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
             raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"seed must be an integer in [-2^63, 2^63 - 1], got {self.seed!r}")
@@ -75,7 +79,10 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
             if not self.allowed_token_ids or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
-                raise ValueError(f"allowed_token_ids must be a non-empty list of non-negative integers, got {self.allowed_token_ids!r}")
+                raise ValueError(
+                    "allowed_token_ids must be a non-empty list of non-negative integers, "
+                    f"got {self.allowed_token_ids!r}"
+                )
         self.bad_words = list(self.bad_words or [])
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             raise ValueError(f"bad_words must be non-blank strings, got {self.bad_words!r}")
@@ -89,15 +96,21 @@ class SamplingParams:
                 if not _is_int(token) or token < 0:
                     raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
                 if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
-                    raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}")
-        if isinstance(self.repetition_penalty, bool) or not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+                    raise ValueError(
+                        f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}"
+                    )
+        if isinstance(self.repetition_penalty, bool) or not (
+            self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)
+        ):
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not -2 <= value <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
-            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
+            raise ValueError(
+                f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}"
+            )
         if not _is_int(self.no_repeat_ngram_size) or self.no_repeat_ngram_size < 0:
             raise ValueError(f"no_repeat_ngram_size must be an integer >= 0, got {self.no_repeat_ngram_size!r}")
 
@@ -105,8 +118,14 @@ class SamplingParams:
     def uses_processors(self) -> bool:
         """Whether any logits processor is on (else the sampler skips them all)."""
         return bool(
-            self.allowed_token_ids is not None or self.bad_words or self.min_tokens or self.logit_bias
-            or self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty or self.no_repeat_ngram_size
+            self.allowed_token_ids is not None
+            or self.bad_words
+            or self.min_tokens
+            or self.logit_bias
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.no_repeat_ngram_size
             or self.structured_outputs is not None
         )
 

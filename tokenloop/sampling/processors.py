@@ -1,9 +1,9 @@
 """Logits processors: the controls a request sets against error accumulation, applied over a step's rows as tensors.
 
 Order, as vLLM documents it: allowed_token_ids → bad_words → min_tokens → logit_bias → repetition_penalty →
-presence / frequency penalties → no_repeat_ngram_size → the structured-output mask; the sampler then takes the greedy choice or samples
-(temperature → min-p → top-k → top-p). Each processor touches only the rows that use it; the per-row loops
-(bad words, n-grams) run only over those rows, never over the vocabulary.
+presence / frequency penalties → no_repeat_ngram_size → the structured-output mask; the sampler then takes the
+greedy choice or samples (temperature → min-p → top-k → top-p). Each processor touches only the rows that use it;
+the per-row loops (bad words, n-grams) run only over those rows, never over the vocabulary.
 
 Semantics as users know them:
 - repetition_penalty: transformers' rule over the prompt and the output, once per distinct token (a positive
@@ -36,7 +36,9 @@ class TokenHistory:
     ngram_size: int = 0  # 0: no n-gram index
     output_counts: Counter = field(default_factory=Counter)
     prompt_ids: torch.Tensor | None = None  # distinct prompt token ids, built once
-    ngrams: dict[tuple[int, ...], set[int]] = field(default_factory=dict)  # (n-1)-token prefix -> tokens that followed it
+    ngrams: dict[tuple[int, ...], set[int]] = field(
+        default_factory=dict
+    )  # (n-1)-token prefix -> tokens that followed it
     synced: int = 0  # tokens read so far
 
     def sync(self, token_ids: list[int]) -> None:
@@ -71,7 +73,12 @@ class LogitControls:
 
     @classmethod
     def for_request(
-        cls, params: SamplingParams, num_prompt_tokens: int, encode, eos_token_ids, grammars: GrammarCompiler | None = None
+        cls,
+        params: SamplingParams,
+        num_prompt_tokens: int,
+        encode,
+        eos_token_ids,
+        grammars: GrammarCompiler | None = None,
     ) -> LogitControls | None:
         if not params.uses_processors:
             return None
@@ -92,7 +99,9 @@ def _ban(logits: torch.Tensor, rows: list[int], ids: list[int]) -> None:
         logits[torch.tensor(rows, device=logits.device), torch.tensor(ids, device=logits.device)] = float("-inf")
 
 
-def apply_processors(logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]], controls: list[LogitControls | None]) -> torch.Tensor:
+def apply_processors(
+    logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]], controls: list[LogitControls | None]
+) -> torch.Tensor:
     """Logits [B, V] (float32, not written) after every processor the rows ask for, in the documented order.
     token_ids[i] and controls[i] are row i's sequence tokens and state."""
     out = logits.clone()
@@ -128,7 +137,11 @@ def apply_processors(logits: torch.Tensor, params: list[SamplingParams], token_i
         index = (torch.tensor(bias_rows, device=device), torch.tensor(bias_ids, device=device))
         out.index_put_(index, torch.tensor(bias_values, dtype=out.dtype, device=device), accumulate=True)
 
-    if penalized := [i for i in rows if params[i].repetition_penalty != 1.0 or params[i].presence_penalty or params[i].frequency_penalty]:
+    if penalized := [
+        i
+        for i in rows
+        if params[i].repetition_penalty != 1.0 or params[i].presence_penalty or params[i].frequency_penalty
+    ]:
         counts = torch.zeros(len(penalized), vocab, device=device)
         for j, i in enumerate(penalized):
             history = controls[i].history

@@ -73,7 +73,9 @@ class SamplingBatch:
             any_top_k=any(0 < p.top_k < vocab_size for p in random_rows),
             any_top_p=any(p.top_p < 1.0 for p in random_rows),
             any_min_p=any(p.min_p > 0.0 for p in random_rows),
-            processors=processors if processors is not None and any(c is not None for c in processors.controls) else None,
+            processors=processors
+            if processors is not None and any(c is not None for c in processors.controls)
+            else None,
         )
 
 

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-
 # Whitespace between JSON tokens, bounded: models indent their JSON, but unbounded whitespace lets a model that
 # has lost its way emit blanks until max_tokens instead of closing the object.
 JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,16}"}
@@ -33,11 +32,18 @@ class StructuredOutputsParams:
     choice: list[str] | None = None  # one of these strings, exactly
 
     def __post_init__(self) -> None:
-        chosen = [name for name in ("json", "regex", "grammar", "choice") if getattr(self, name) is not None] + (["json_object"] if self.json_object else [])
+        chosen = [name for name in ("json", "regex", "grammar", "choice") if getattr(self, name) is not None] + (
+            ["json_object"] if self.json_object else []
+        )
         if len(chosen) != 1:
-            raise ValueError(f"structured_outputs: set exactly one of json, json_object, regex, grammar, choice (got {chosen or 'none'})")
+            raise ValueError(
+                "structured_outputs: set exactly one of json, json_object, regex, grammar, choice "
+                f"(got {chosen or 'none'})"
+            )
         if self.choice is not None and (not self.choice or any(not isinstance(c, str) or not c for c in self.choice)):
-            raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+            raise ValueError(
+                f"structured_outputs.choice must be a non-empty list of non-empty strings, got {self.choice!r}"
+            )
         if isinstance(self.json, str):
             try:
                 self.json = json.loads(self.json)
@@ -49,7 +55,11 @@ class StructuredOutputsParams:
     @property
     def field(self) -> str:
         """The name of the one field set (for error messages)."""
-        return next(name for name in ("json", "regex", "grammar", "choice") if getattr(self, name) is not None) if not self.json_object else "json_object"
+        return (
+            next(name for name in ("json", "regex", "grammar", "choice") if getattr(self, name) is not None)
+            if not self.json_object
+            else "json_object"
+        )
 
     def key(self) -> str:
         """A canonical text of the spec: the compile cache's key."""
@@ -77,7 +87,9 @@ class GrammarCompiler:
             matcher = self._llguidance.LLMatcher
             if spec.field == "json" or spec.field == "json_object":
                 try:
-                    grammar = matcher.grammar_from_json_schema(spec.json if spec.field == "json" else {"type": "object"}, defaults=JSON_OPTIONS)
+                    grammar = matcher.grammar_from_json_schema(
+                        spec.json if spec.field == "json" else {"type": "object"}, defaults=JSON_OPTIONS
+                    )
                 except ValueError as e:
                     raise ValueError(f"structured_outputs.json: {e}") from None
             elif spec.field == "regex":
@@ -93,7 +105,9 @@ class GrammarCompiler:
         return grammar
 
     def matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:
-        return GrammarMatcher(self._llguidance.LLMatcher(self.tokenizer, self.grammar(spec), log_level=0), self.vocab_size)
+        return GrammarMatcher(
+            self._llguidance.LLMatcher(self.tokenizer, self.grammar(spec), log_level=0), self.vocab_size
+        )
 
 
 @dataclass(slots=True)

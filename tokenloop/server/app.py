@@ -19,11 +19,29 @@ from tokenloop.engine.beam_search import BeamSearchParams
 from tokenloop.outputs import CompletionOutput, RequestOutput
 from tokenloop.sampling.params import SamplingParams
 from tokenloop.server.body_limit import DEFAULT_MAX_BODY_MB, LimitBody
-from tokenloop.server.errors import ERROR_RESPONSES, APIError, CatchAll, error_body, error_response, install_error_handlers, param_of
+from tokenloop.server.errors import (
+    ERROR_RESPONSES,
+    APIError,
+    CatchAll,
+    error_body,
+    error_response,
+    install_error_handlers,
+    param_of,
+)
 from tokenloop.server.protocol import ChatCompletionRequest, CompletionRequest
+from tokenloop.server.responses import (
+    ChoiceIndexer,
+    ChoiceProgress,
+    ToolCallStream,
+    Usage,
+    chat_logprobs,
+    chat_message,
+    completion_logprobs,
+    join_logprobs,
+    legacy_logprobs,
+    prompt_logprobs,
+)
 from tokenloop.strategies.self_consistency import AnswerSpec, VoteCounter
-from tokenloop.server.responses import (ChoiceIndexer, ChoiceProgress, ToolCallStream, Usage, chat_logprobs, chat_message, completion_logprobs,
-                                       join_logprobs, legacy_logprobs, prompt_logprobs)
 
 DEFAULT_MAX_N = 128  # OpenAI's own bound on n
 
@@ -33,9 +51,15 @@ class Health(BaseModel):
 
 
 _GENERATION_RESPONSES = ERROR_RESPONSES | {
-    200: {"description": "the completion, or with stream: true a stream of server-sent events",
-          "content": {"application/json": {"schema": {"type": "object"}},
-                      "text/event-stream": {"schema": {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}}}},
+    200: {
+        "description": "the completion, or with stream: true a stream of server-sent events",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {
+                "schema": {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
+            },
+        },
+    },
 }
 
 
@@ -55,8 +79,13 @@ class _RequireAPIKey:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, max_n: int = DEFAULT_MAX_N,
-              max_body_mb: float = DEFAULT_MAX_BODY_MB) -> FastAPI:
+def build_app(
+    engine: AsyncEngine,
+    model_name: str,
+    api_key: str | None = None,
+    max_n: int = DEFAULT_MAX_N,
+    max_body_mb: float = DEFAULT_MAX_BODY_MB,
+) -> FastAPI:
     app = FastAPI(title="tokenloop", docs_url=None, redoc_url=None)
     max_model_len = engine.engine.max_model_len
     install_error_handlers(app)
@@ -65,8 +94,15 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
     app.add_middleware(LimitBody, max_bytes=int(max_body_mb * 2**20))
     app.add_middleware(CatchAll)  # added last: outermost, it also covers the key check and the body limit
     context = (max_model_len - 1, f"the context is {max_model_len} tokens, the prompt at least one")
-    bounds = {"n": (max_n, "the server's --max-n"), "best_of": (max_n, "the server's --max-n"), "max_tokens": context, "max_completion_tokens": context}
-    app.openapi = lambda: _openapi(app, {name: bound for name, (bound, _) in bounds.items()}, max_model_len, engine.engine.model_config.vocab_size)
+    bounds = {
+        "n": (max_n, "the server's --max-n"),
+        "best_of": (max_n, "the server's --max-n"),
+        "max_tokens": context,
+        "max_completion_tokens": context,
+    }
+    app.openapi = lambda: _openapi(
+        app, {name: bound for name, (bound, _) in bounds.items()}, max_model_len, engine.engine.model_config.vocab_size
+    )
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health, "description": "stalled or draining"}})
     async def health() -> JSONResponse:
@@ -74,14 +110,24 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         status = "draining" if engine.draining else "ok" if engine.healthy() else "stalled"
         return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
-    @app.get("/metrics", response_class=PlainTextResponse, responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+    )
     async def metrics() -> Response:
         """Prometheus metrics in the text exposition format."""
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", responses=ERROR_RESPONSES)
     async def models() -> dict:
-        card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "tokenloop", "max_model_len": max_model_len}
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "tokenloop",
+            "max_model_len": max_model_len,
+        }
         return {"object": "list", "data": [card]}
 
     def check_model(name: str | None) -> None:
@@ -99,14 +145,18 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         if getattr(body, "best_of", None) is not None and body.best_of < body.n:
             raise APIError(400, f"best_of must be at least n ({body.n}), got {body.best_of}", "best_of")
 
-    def start_streams(prompts: list, params: SamplingParams | BeamSearchParams, body: CompletionRequest | ChatCompletionRequest) -> list[AsyncIterator[RequestOutput]]:
+    def start_streams(
+        prompts: list, params: SamplingParams | BeamSearchParams, body: CompletionRequest | ChatCompletionRequest
+    ) -> list[AsyncIterator[RequestOutput]]:
         """Validate every prompt before starting any, so that a bad one leaves nothing running."""
         engine.admit(len(prompts))  # 503 while draining, 429 when too many wait
         try:
             tokenized = [engine.engine.process_prompt(p, params) for p in prompts]
         except ValueError as e:
             message = str(e)
-            if message.startswith("structured_outputs.json") and body.response_format is not None:  # the schema the client sent
+            if (
+                message.startswith("structured_outputs.json") and body.response_format is not None
+            ):  # the schema the client sent
                 message = message.replace("structured_outputs.json", "response_format.json_schema.schema", 1)
             raise APIError(400, message, param_of(message) or "prompt") from None
         return [engine.generate(t, params) for t in tokenized]
@@ -121,7 +171,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
         # echo with logprobs returns the prompt's tokens' logprobs too, as OpenAI's legacy API did
         echo_logprobs = body.logprobs if body.echo else None
         beams = _params(body.beam_search_params)  # best_of (or n) beams, the n best returned
-        params = beams or _params(lambda: body.sampling_params(body.max_tokens, logprobs, n=best_of, prompt_logprobs=echo_logprobs))
+        params = beams or _params(
+            lambda: body.sampling_params(body.max_tokens, logprobs, n=best_of, prompt_logprobs=echo_logprobs)
+        )
         vote = _params(body.answer_spec)
         if vote is not None:
             if len(body.prompts()) != 1:
@@ -129,8 +181,20 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
             params = vote.params(params, body.n)
         streams = start_streams(body.prompts(), params, body)
         if vote is not None:
-            return await _voted(request, streams[0], vote, body.n, meta_of("cmpl", "text_completion"),
-                                lambda c: {"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            return await _voted(
+                request,
+                streams[0],
+                vote,
+                body.n,
+                meta_of("cmpl", "text_completion"),
+                lambda c: {
+                    "index": 0,
+                    "text": c.text,
+                    "logprobs": None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                },
+            )
         if best_of > body.n and beams is None:  # the best are known only at the end: a stream gets them then
             streams = [_best_of(s, body.n) for s in streams]
         meta = meta_of("cmpl", "text_completion")
@@ -145,7 +209,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
             text = out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
             if body.logprobs is None:
                 return text, None
-            first = tokenizer.decode(out.prompt_token_ids[:1], skip_special_tokens=True)  # a BOS is not in the echoed text
+            first = tokenizer.decode(
+                out.prompt_token_ids[:1], skip_special_tokens=True
+            )  # a BOS is not in the echoed text
             return text, legacy_logprobs(out.prompt_token_ids, out.prompt_logprobs, body.logprobs, 0, first)
 
         if body.stream:
@@ -159,8 +225,16 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
                 logprobs = completion_logprobs(c, 0, body.logprobs, len(echo)) if body.logprobs is not None else None
                 if echo_logprobs is not None:
                     logprobs = join_logprobs(echo_logprobs, logprobs)
-                choices.append({"index": i * body.n + c.index, "text": echo + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                                "stop_reason": c.stop_reason} | _prompt_logprobs_field(body, out))
+                choices.append(
+                    {
+                        "index": i * body.n + c.index,
+                        "text": echo + c.text,
+                        "logprobs": logprobs,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                    | _prompt_logprobs_field(body, out)
+                )
         return JSONResponse(meta | {"choices": choices, "usage": usage.as_dict()})
 
     @app.post("/v1/chat/completions", responses=_GENERATION_RESPONSES)
@@ -175,38 +249,57 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
             messages = [m.as_template_message() for m in body.messages]
             prompt = engine.engine.chat_prompt(messages, body.add_generation_prompt, tools, body.continue_final_message)
         except ValueError as e:
-            raise APIError(400, str(e), "continue_final_message" if str(e).startswith("continue_final_message") else "messages") from None
+            raise APIError(
+                400, str(e), "continue_final_message" if str(e).startswith("continue_final_message") else "messages"
+            ) from None
         vote = _params(body.answer_spec)
         if vote is not None:
             params = vote.params(params, body.n)
         streams = start_streams([prompt], params, body)
         meta = meta_of("chatcmpl", "chat.completion")
         if vote is not None:
-            return await _voted(request, streams[0], vote, body.n, meta,
-                                lambda c: {"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
-                                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            return await _voted(
+                request,
+                streams[0],
+                vote,
+                body.n,
+                meta,
+                lambda c: {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                },
+            )
         may_call_tools = tools is not None and tools.constrained
         if body.stream:
-            return _sse(_chat_chunks(streams[0], params, body, meta | {"object": "chat.completion.chunk"}, may_call_tools))
+            return _sse(
+                _chat_chunks(streams[0], params, body, meta | {"object": "chat.completion.chunk"}, may_call_tools)
+            )
         (out,) = await _until_disconnected(request, _collect(streams))
         usage = Usage()
         usage.add(out)
         choices = []
         for c in out.outputs:
             message, finish_reason = chat_message(c, may_call_tools)
-            choices.append({
-                "index": c.index,
-                "message": message,
-                "logprobs": chat_logprobs(c, 0, params.logprobs) if params.logprobs is not None else None,
-                "finish_reason": finish_reason,
-                "stop_reason": c.stop_reason,
-            })
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": chat_logprobs(c, 0, params.logprobs) if params.logprobs is not None else None,
+                    "finish_reason": finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         return JSONResponse(meta | {"choices": choices, "usage": usage.as_dict()} | _prompt_logprobs_field(body, out))
 
     return app
 
 
-async def _voted(request: Request, stream: AsyncIterator[RequestOutput], spec: AnswerSpec, n: int, meta: dict, choice_of) -> JSONResponse:
+async def _voted(
+    request: Request, stream: AsyncIterator[RequestOutput], spec: AnswerSpec, n: int, meta: dict, choice_of
+) -> JSONResponse:
     """Self-consistency: count the samples' answers as they finish; once the leader cannot be overtaken, leave
     the stream (which aborts the samples still running). The reply's one choice is the first winning sample."""
     counter = VoteCounter(spec, n)
@@ -229,8 +322,13 @@ async def _voted(request: Request, stream: AsyncIterator[RequestOutput], spec: A
     usage.add(last)
     pick = result.winner or (result.samples[0] if result.samples else None)  # no sample answered: the first one
     choices = [choice_of(pick)] if pick is not None else []
-    votes = {"answer": result.answer, "votes": result.votes, "confidence": result.confidence, "samples": len(result.samples),
-             "stopped_early": result.stopped_early}
+    votes = {
+        "answer": result.answer,
+        "votes": result.votes,
+        "confidence": result.confidence,
+        "samples": len(result.samples),
+        "stopped_early": result.stopped_early,
+    }
     return JSONResponse(meta | {"choices": choices, "usage": usage.as_dict(), "self_consistency": votes})
 
 
@@ -325,7 +423,9 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
-async def _choice_updates(streams: list[AsyncIterator[RequestOutput]], n: int, usage: dict[int, RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput, CompletionOutput, ChoiceProgress]]:
+async def _choice_updates(
+    streams: list[AsyncIterator[RequestOutput]], n: int, usage: dict[int, RequestOutput]
+) -> AsyncIterator[tuple[int, RequestOutput, CompletionOutput, ChoiceProgress]]:
     """The one streaming loop of completions and chat: (choice index, output, completion, what was sent of it
     before), for every completion not finished yet; what was sent advances once the caller has taken an item.
     Each prompt's final output lands in `usage`."""
@@ -337,7 +437,12 @@ async def _choice_updates(streams: list[AsyncIterator[RequestOutput]], n: int, u
             if sent.finished:  # outputs repeat every completion of the request; a finished one was sent in full
                 continue
             yield index, out, c, sent
-            sent.text_len, sent.logprobs_len, sent.started, sent.finished = len(c.text), len(c.token_ids), True, c.finish_reason is not None
+            sent.text_len, sent.logprobs_len, sent.started, sent.finished = (
+                len(c.text),
+                len(c.token_ids),
+                True,
+                c.finish_reason is not None,
+            )
         if out.finished:
             usage[i] = out
 
@@ -354,24 +459,45 @@ def _prompt_logprobs_field(body: CompletionRequest | ChatCompletionRequest, out:
     return {"prompt_logprobs": prompt_logprobs(out)} if body.prompt_logprobs is not None else {}
 
 
-async def _completion_chunks(streams, params: SamplingParams, body: CompletionRequest, meta: dict,
-                             echoed: Callable[[RequestOutput], tuple[str, dict | None]]) -> AsyncIterator[dict]:
+async def _completion_chunks(
+    streams,
+    params: SamplingParams,
+    body: CompletionRequest,
+    meta: dict,
+    echoed: Callable[[RequestOutput], tuple[str, dict | None]],
+) -> AsyncIterator[dict]:
     usage: dict[int, RequestOutput] = {}
     async for index, out, c, sent in _choice_updates(streams, body.n, usage):
         text, first = c.text[sent.text_len :], not sent.started
         echo, echo_logprobs = echoed(out) if first else ("", None)
-        logprobs = completion_logprobs(c, sent.logprobs_len, body.logprobs, len(echo) + sent.text_len) if body.logprobs is not None else None
+        logprobs = (
+            completion_logprobs(c, sent.logprobs_len, body.logprobs, len(echo) + sent.text_len)
+            if body.logprobs is not None
+            else None
+        )
         if echo_logprobs is not None:
             logprobs = join_logprobs(echo_logprobs, logprobs)
         if echo or text or c.finish_reason or logprobs and logprobs["tokens"]:
             extra = _prompt_logprobs_field(body, out) if first else {}
-            yield meta | {"choices": [{"index": index, "text": echo + text, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                                       "stop_reason": c.stop_reason} | extra]}
+            yield meta | {
+                "choices": [
+                    {
+                        "index": index,
+                        "text": echo + text,
+                        "logprobs": logprobs,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                    | extra
+                ]
+            }
     if body.include_usage:
         yield _usage_chunk(meta, usage)
 
 
-async def _chat_chunks(stream, params: SamplingParams, body: ChatCompletionRequest, meta: dict, may_call_tools: bool) -> AsyncIterator[dict]:
+async def _chat_chunks(
+    stream, params: SamplingParams, body: ChatCompletionRequest, meta: dict, may_call_tools: bool
+) -> AsyncIterator[dict]:
     usage: dict[int, RequestOutput] = {}
     replies: dict[int, ToolCallStream] = {}
     async for index, out, c, sent in _choice_updates([stream], params.n, usage):
@@ -392,7 +518,21 @@ async def _chat_chunks(stream, params: SamplingParams, body: ChatCompletionReque
             if text or not sent.started or logprobs and logprobs["content"]:
                 delta["content"] = text
         if delta or c.finish_reason:
-            yield meta | {"choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": c.stop_reason}]} | extra
+            yield (
+                meta
+                | {
+                    "choices": [
+                        {
+                            "index": index,
+                            "delta": delta,
+                            "logprobs": logprobs,
+                            "finish_reason": finish_reason,
+                            "stop_reason": c.stop_reason,
+                        }
+                    ]
+                }
+                | extra
+            )
     if body.include_usage and usage:
         yield _usage_chunk(meta, usage)
 
@@ -417,7 +557,10 @@ def _openapi(app: FastAPI, bounds: dict[str, int], max_model_len: int, vocab_siz
                     for integer in _integer_schemas(schema_of_field):
                         integer["maximum"] = bounds[field]
         prompt = components["CompletionRequest"]["properties"]["prompt"]
-        token_fields = [prompt] + [components[name]["properties"]["allowed_token_ids"] for name in ("CompletionRequest", "ChatCompletionRequest")]
+        token_fields = [prompt] + [
+            components[name]["properties"]["allowed_token_ids"]
+            for name in ("CompletionRequest", "ChatCompletionRequest")
+        ]
         for integer in (i for field in token_fields for i in _integer_schemas(field)):
             integer["maximum"] = vocab_size - 1
         for token_list in _token_lists(prompt):

@@ -16,8 +16,11 @@ class LimitBody:
         self.app, self.max_bytes = app, max_bytes
 
     def _refusal(self):
-        return error_response(413, f"the request body is larger than the server's limit of {self.max_bytes} bytes (--max-body-mb)",
-                              headers={"Connection": "close"})
+        return error_response(
+            413,
+            f"the request body is larger than the server's limit of {self.max_bytes} bytes (--max-body-mb)",
+            headers={"Connection": "close"},
+        )
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":

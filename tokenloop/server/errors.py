@@ -4,10 +4,9 @@ stalled (503), and a bug (500)."""
 
 from __future__ import annotations
 
-import re
-
 import json
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,8 +19,14 @@ from tokenloop.engine.async_engine import EngineBusy, EngineDraining
 logger = logging.getLogger(__name__)
 
 _ERROR_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
-    413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_server_error", 503: "service_unavailable",
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
 }
 RETRY_AFTER_S = 1
 
@@ -38,11 +43,17 @@ class ErrorResponse(BaseModel):
 
 
 # What every route may answer besides its 200 (for the OpenAPI schema).
-ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": kind.replace("_", " ")} for status, kind in _ERROR_TYPES.items() if status != 405}
+ERROR_RESPONSES = {
+    status: {"model": ErrorResponse, "description": kind.replace("_", " ")}
+    for status, kind in _ERROR_TYPES.items()
+    if status != 405
+}
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers
 
@@ -58,12 +69,15 @@ class _ASCIIJSONResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
-def error_response(status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     return _ASCIIJSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
 def param_of(message: str) -> str | None:
-    """Our ValueErrors start with the offending field's name ("temperature must be ...", "structured_outputs.regex: ...")."""
+    """Our ValueErrors start with the offending field's name ("temperature must be ...",
+    "structured_outputs.regex: ...")."""
     first = re.match(r"[A-Za-z_]\w*(?=[ :.\[]|$)", message)  # "tools[0].function.parameters: ..." names tools
     return first.group() if first and first.group() not in ("the", "a", "prompt") else None
 

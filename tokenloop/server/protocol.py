@@ -35,7 +35,8 @@ TokenId = Int(ge=0)
 NonEmptyText = Annotated[str, Field(min_length=1)]
 
 # Fields of OpenAI's API (and vLLM's) that change the result and that this server cannot honour (tools: on
-# completions): a request that sets one to anything but its neutral value is refused, never served as if it had not asked.
+# completions): a request that sets one to anything but its neutral value is refused, never served as if it had
+# not asked.
 _UNSUPPORTED: dict[str, tuple] = {
     "suffix": (None, ""),
     "tools": (None, []),
@@ -82,13 +83,18 @@ class _Request(BaseModel):
     @classmethod
     def _valid_text(cls, data: Any) -> Any:
         if (path := find_surrogate(data, "")) is not None:
-            raise ValueError(f"{path.split('.', 1)[0] or 'body'}: {path or 'the body'} is not valid Unicode text (it holds a lone surrogate)")
+            raise ValueError(
+                f"{path.split('.', 1)[0] or 'body'}: {path or 'the body'} is not valid Unicode text "
+                "(it holds a lone surrogate)"
+            )
         return data
 
     @model_validator(mode="after")
     def _no_unsupported_fields(self) -> _Request:
         for name, value in (self.model_extra or {}).items():
-            if name in _UNSUPPORTED and not any(value == neutral and type(value) is type(neutral) for neutral in _UNSUPPORTED[name]):
+            if name in _UNSUPPORTED and not any(
+                value == neutral and type(value) is type(neutral) for neutral in _UNSUPPORTED[name]
+            ):
                 raise ValueError(f"{name}: not supported yet")
             if name not in _UNSUPPORTED:
                 logger.warning("ignoring the request field %r: this server does not know it", name)
@@ -114,7 +120,9 @@ class ResponseFormat(BaseModel):
 class StructuredOutputsBody(BaseModel):
     """vLLM's extra body field structured_outputs: exactly one of its fields (the schema says so)."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, json_schema_extra={"minProperties": 1, "maxProperties": 1}, **_STRICT)
+    model_config = ConfigDict(
+        extra="forbid", populate_by_name=True, json_schema_extra={"minProperties": 1, "maxProperties": 1}, **_STRICT
+    )
     # Not nullable: a field present is the one set (defaults of None only mark the absent ones).
     json_: dict[str, Any] = Field(None, alias="json")
     json_object: Literal[True] = None
@@ -153,14 +161,23 @@ class _SamplingRequest(_Request):
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     # (pydantic writes the key pattern as patternProperties, which alone would let other keys through the schema)
-    logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(ge=-100, le=100)]],
-                          Field(max_length=300, json_schema_extra={"additionalProperties": False})] | None = None
+    logit_bias: (
+        Annotated[
+            dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(ge=-100, le=100)]],
+            Field(max_length=300, json_schema_extra={"additionalProperties": False}),
+        ]
+        | None
+    ) = None
     repetition_penalty: Annotated[float, Field(gt=0, le=10)] = 1.0  # extension (vLLM)
     min_tokens: Int(ge=0) = 0  # extension (vLLM)
-    bad_words: Annotated[list[Annotated[str, Field(pattern=r"\S")]], Field(max_length=64)] | None = None  # extension (vLLM)
+    bad_words: Annotated[list[Annotated[str, Field(pattern=r"\S")]], Field(max_length=64)] | None = (
+        None  # extension (vLLM)
+    )
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None  # extension (vLLM)
     no_repeat_ngram_size: Int(ge=0) = 0  # extension (transformers)
-    prompt_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None  # extension (vLLM): logprobs of the prompt's tokens, top k
+    prompt_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = (
+        None  # extension (vLLM): logprobs of the prompt's tokens, top k
+    )
     self_consistency: SelfConsistencyBody | None = None  # extension (tokenloop): the n samples vote on their answer
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None  # extension (vLLM)
@@ -179,7 +196,10 @@ class _SamplingRequest(_Request):
         except ValueError as e:
             raise ValueError(f"self_consistency.{e}") from None
         if spec.schema is not None and self.structured() is not None:
-            raise ValueError("self_consistency: an answer schema constrains the samples already; drop response_format / structured_outputs")
+            raise ValueError(
+                "self_consistency: an answer schema constrains the samples already; "
+                "drop response_format / structured_outputs"
+            )
         return spec
 
     def structured(self) -> StructuredOutputsParams | None:
@@ -194,19 +214,44 @@ class _SamplingRequest(_Request):
         if fmt is not None and fmt.type == "json_object":
             return _structured("response_format", json_object=True)
         if (body := self.structured_outputs) is not None:
-            return _structured("structured_outputs", json=body.json_, json_object=bool(body.json_object), regex=body.regex, grammar=body.grammar, choice=body.choice)
+            return _structured(
+                "structured_outputs",
+                json=body.json_,
+                json_object=bool(body.json_object),
+                regex=body.regex,
+                grammar=body.grammar,
+                choice=body.choice,
+            )
         return None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, n: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, n: int | None = None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """Raises ValueError naming the field for values out of range."""
         return SamplingParams(
-            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else max(prompt_logprobs, self.prompt_logprobs or 0),
-            n=n or self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            seed=self.seed, max_tokens=max_tokens, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
-            ignore_eos=self.ignore_eos, logprobs=logprobs, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()} or None,
-            repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens, bad_words=self.bad_words or [],
-            allowed_token_ids=self.allowed_token_ids, no_repeat_ngram_size=self.no_repeat_ngram_size, structured_outputs=self.structured(),
+            prompt_logprobs=self.prompt_logprobs
+            if prompt_logprobs is None
+            else max(prompt_logprobs, self.prompt_logprobs or 0),
+            n=n or self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            stop=self.stop or [],
+            stop_token_ids=self.stop_token_ids or [],
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()} or None,
+            repetition_penalty=self.repetition_penalty,
+            min_tokens=self.min_tokens,
+            bad_words=self.bad_words or [],
+            allowed_token_ids=self.allowed_token_ids,
+            no_repeat_ngram_size=self.no_repeat_ngram_size,
+            structured_outputs=self.structured(),
         )
 
     @property
@@ -215,14 +260,20 @@ class _SamplingRequest(_Request):
 
 
 class CompletionRequest(_SamplingRequest):
-    model_config = ConfigDict(json_schema_extra={
-        "examples": [{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}],
-        # length_penalty and early_stopping other than their defaults only with use_beam_search
-        "if": {"not": {"required": ["use_beam_search"], "properties": {"use_beam_search": {"const": True}}}},
-        "then": {"properties": {"length_penalty": {"const": 1.0}, "early_stopping": {"const": False}}},
-    })
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}],
+            # length_penalty and early_stopping other than their defaults only with use_beam_search
+            "if": {"not": {"required": ["use_beam_search"], "properties": {"use_beam_search": {"const": True}}}},
+            "then": {"properties": {"length_penalty": {"const": 1.0}, "early_stopping": {"const": False}}},
+        }
+    )
 
-    prompt: NonEmptyText | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[NonEmptyText | Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    prompt: (
+        NonEmptyText
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[NonEmptyText | Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
     max_tokens: Int(ge=1) | None = 16  # OpenAI's default for completions
     logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
     echo: bool = False
@@ -232,8 +283,23 @@ class CompletionRequest(_SamplingRequest):
     early_stopping: bool | Literal["never"] = False  # extension (vLLM), beam search only
 
     # What a beam search takes besides its own fields; anything else set would be ignored by it, so it is refused.
-    _BEAM_FIELDS: ClassVar[frozenset[str]] = frozenset({"model", "prompt", "max_tokens", "n", "best_of", "use_beam_search", "length_penalty", "early_stopping",
-                              "ignore_eos", "echo", "user", "seed", "stream_options"})
+    _BEAM_FIELDS: ClassVar[frozenset[str]] = frozenset(
+        {
+            "model",
+            "prompt",
+            "max_tokens",
+            "n",
+            "best_of",
+            "use_beam_search",
+            "length_penalty",
+            "early_stopping",
+            "ignore_eos",
+            "echo",
+            "user",
+            "seed",
+            "stream_options",
+        }
+    )
 
     def beam_search_params(self) -> BeamSearchParams | None:
         if not self.use_beam_search:
@@ -245,8 +311,14 @@ class CompletionRequest(_SamplingRequest):
             if name == "temperature" and self.temperature == 0 or name == "stream" and not self.stream:
                 continue
             raise ValueError(f"{name}: not supported with use_beam_search")
-        return BeamSearchParams(beam_width=self.best_of or self.n, max_tokens=self.max_tokens, n=self.n, length_penalty=self.length_penalty,
-                                early_stopping=self.early_stopping, ignore_eos=self.ignore_eos)
+        return BeamSearchParams(
+            beam_width=self.best_of or self.n,
+            max_tokens=self.max_tokens,
+            n=self.n,
+            length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping,
+            ignore_eos=self.ignore_eos,
+        )
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -300,23 +372,35 @@ class NamedToolChoice(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    model_config = ConfigDict(json_schema_extra={
-        "examples": [{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16, "temperature": 0}],
-        # top_logprobs only with logprobs: true
-        "not": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}, "logprobs": {"const": False}}},
-        # tool_choice "required" or a named function needs tools
-        "if": {"required": ["tool_choice"], "properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}}},
-        "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}},
-    })
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16, "temperature": 0}],
+            # top_logprobs only with logprobs: true
+            "not": {
+                "required": ["top_logprobs"],
+                "properties": {"top_logprobs": {"type": "integer"}, "logprobs": {"const": False}},
+            },
+            # tool_choice "required" or a named function needs tools
+            "if": {
+                "required": ["tool_choice"],
+                "properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
+            },
+            "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}},
+        }
+    )
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Int(ge=1) | None = None
     logprobs: bool = False
     top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
     add_generation_prompt: bool = True  # extension (vLLM)
-    continue_final_message: bool = False  # extension (vLLM): continue the last message (with add_generation_prompt false)
+    continue_final_message: bool = (
+        False  # extension (vLLM): continue the last message (with add_generation_prompt false)
+    )
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools, else none
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = (
+        None  # default: auto with tools, else none
+    )
     parallel_tool_calls: bool = True
 
     def tool_calling(self) -> ToolCalling | None:
@@ -326,8 +410,14 @@ class ChatCompletionRequest(_SamplingRequest):
             return None
         functions = [Function.from_openai(t.function.model_dump()) for t in self.tools or []]
         calling = ToolCalling(functions, choice or "auto", self.parallel_tool_calls)
-        if calling.constrained and (self.structured_outputs is not None or (self.response_format is not None and self.response_format.type != "text")):
-            raise ValueError("tool_choice: tools constrain the reply already; set tool_choice to none to use response_format or structured_outputs")
+        if calling.constrained and (
+            self.structured_outputs is not None
+            or (self.response_format is not None and self.response_format.type != "text")
+        ):
+            raise ValueError(
+                "tool_choice: tools constrain the reply already; "
+                "set tool_choice to none to use response_format or structured_outputs"
+            )
         return calling
 
     def structured(self) -> StructuredOutputsParams | None:

@@ -44,8 +44,11 @@ class Usage:
         }
         if (s := self.speculative) is not None:  # tokenloop's extension, where the server decodes speculatively
             usage["speculative_decoding"] = {
-                "draft_tokens": s.num_draft_tokens, "accepted_tokens": s.num_accepted_tokens, "drafts": s.num_drafts,
-                "acceptance_rate": round(s.acceptance_rate, 4), "mean_accepted_length": round(s.mean_accepted_length, 4),
+                "draft_tokens": s.num_draft_tokens,
+                "accepted_tokens": s.num_accepted_tokens,
+                "drafts": s.num_drafts,
+                "acceptance_rate": round(s.acceptance_rate, 4),
+                "mean_accepted_length": round(s.mean_accepted_length, 4),
             }
         return usage
 
@@ -59,8 +62,13 @@ def completion_logprobs(c: CompletionOutput, start: int, k: int, text_offset: in
     return legacy_logprobs(c.token_ids[start:], (c.logprobs or [])[start:], k, text_offset)
 
 
-def legacy_logprobs(token_ids: list[int], entries_of: list[dict[int, Logprob] | None], k: int, text_offset: int,
-                    first_token: str | None = None) -> dict:
+def legacy_logprobs(
+    token_ids: list[int],
+    entries_of: list[dict[int, Logprob] | None],
+    k: int,
+    text_offset: int,
+    first_token: str | None = None,
+) -> dict:
     """OpenAI's legacy logprobs of some tokens; a token without entries (a prompt's first: nothing before it
     to score it) has None, and the text `first_token`."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
@@ -87,7 +95,10 @@ def prompt_logprobs(out: RequestOutput) -> list[dict[str, dict] | None] | None:
     """vLLM's prompt_logprobs: per prompt token, {token id: {logprob, rank, decoded_token}}; None for the first."""
     if out.prompt_logprobs is None:
         return None
-    return [None if entries is None else {str(t): dataclasses.asdict(lp) for t, lp in entries.items()} for entries in out.prompt_logprobs]
+    return [
+        None if entries is None else {str(t): dataclasses.asdict(lp) for t, lp in entries.items()}
+        for entries in out.prompt_logprobs
+    ]
 
 
 def chat_logprobs(c: CompletionOutput, start: int, k: int) -> dict:
@@ -124,8 +135,15 @@ def chat_message(c: CompletionOutput, may_call_tools: bool) -> tuple[dict, str |
     reply = parse_reply(c.text, finished=True) if may_call_tools else None
     if reply is None or not reply.calls:
         return {"role": "assistant", "content": c.text}, c.finish_reason
-    calls = [{"id": _call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}} for call in reply.calls]
-    return {"role": "assistant", "content": reply.content or None, "tool_calls": calls}, "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+    calls = [
+        {"id": _call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+        for call in reply.calls
+    ]
+    return {
+        "role": "assistant",
+        "content": reply.content or None,
+        "tool_calls": calls,
+    }, "tool_calls" if c.finish_reason == "stop" else c.finish_reason
 
 
 @dataclass(slots=True)
@@ -146,7 +164,9 @@ class ToolCallStream:
         for i, call in enumerate(reply.calls):
             if i == len(self.arguments_len):
                 self.arguments_len.append(0)
-                calls.append({"index": i, "id": _call_id(), "type": "function", "function": {"name": call.name, "arguments": ""}})
+                calls.append(
+                    {"index": i, "id": _call_id(), "type": "function", "function": {"name": call.name, "arguments": ""}}
+                )
             if piece := call.arguments[self.arguments_len[i] :]:
                 if calls and calls[-1]["index"] == i:
                     calls[-1]["function"]["arguments"] = piece

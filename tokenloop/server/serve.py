@@ -85,7 +85,10 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     engine = AsyncEngine(engine_config, config=config.limits)
     app = build_app(engine, config.model_name, config.api_key, config.max_n, config.max_body_mb)
     uv_config = uvicorn.Config(
-        app, host=config.host, port=config.port, log_level="info",
+        app,
+        host=config.host,
+        port=config.port,
+        log_level="info",
         timeout_graceful_shutdown=config.shutdown_timeout + FLUSH_S,
     )
     sock = uv_config.bind_socket()

@@ -26,7 +26,10 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}, got {self.method!r}")
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
+                f"got {k!r}"
+            )
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative_config.adaptive must be true or false, got {self.adaptive!r}")
         for name in ("prompt_lookup_min", "prompt_lookup_max"):
@@ -34,9 +37,14 @@ class SpeculativeConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {value!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max ({self.prompt_lookup_max})")
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) "
+                f"must not exceed prompt_lookup_max ({self.prompt_lookup_max})"
+            )
         if self.method == "ngram" and self.model is not None:
-            raise ValueError("speculative_config.model is for method 'draft'; 'ngram' looks tokens up in the sequence itself")
+            raise ValueError(
+                "speculative_config.model is for method 'draft'; 'ngram' looks tokens up in the sequence itself"
+            )
 
     @classmethod
     def of(cls, value: SpeculativeConfig | dict[str, Any]) -> SpeculativeConfig:

@@ -60,8 +60,14 @@ class StepCosts:
         return a + b * num_tokens
 
 
-def choose_draft_lengths(alphas: list[float], limits: list[int], base_tokens: int, base_yield: int, target: StepCosts,
-                         draft: StepCosts | None = None) -> list[int]:
+def choose_draft_lengths(
+    alphas: list[float],
+    limits: list[int],
+    base_tokens: int,
+    base_yield: int,
+    target: StepCosts,
+    draft: StepCosts | None = None,
+) -> list[int]:
     """Draft tokens per candidate sequence (each at most limits[i]) maximising expected tokens per second.
 
     base_tokens: the step's query tokens without drafts; base_yield: the tokens it yields without drafts (one per

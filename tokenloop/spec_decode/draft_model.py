@@ -29,17 +29,38 @@ from tokenloop.spec_decode.proposer import Draft, Proposer
 
 class DraftModelProposer(Proposer):
     @classmethod
-    def load(cls, model: str | None, dtype: torch.dtype, kv_dtype: torch.dtype, keep_quantized: bool, device: torch.device, vocab_size: int,
-             num_blocks: int, block_size: int, compile: bool, background: Callable[[Path], CompileSpec] | None) -> DraftModelProposer:
+    def load(
+        cls,
+        model: str | None,
+        dtype: torch.dtype,
+        kv_dtype: torch.dtype,
+        keep_quantized: bool,
+        device: torch.device,
+        vocab_size: int,
+        num_blocks: int,
+        block_size: int,
+        compile: bool,
+        background: Callable[[Path], CompileSpec] | None,
+    ) -> DraftModelProposer:
         """The draft model loaded as the engine loads any model, with a KV pool of as many blocks as the target's
         (not a byte more until used: the pools are memory maps). Its vocabulary must be the target's."""
         loaded = load_model(model, dtype, device, load_tokenizer=False, keep_quantized=keep_quantized)
         if loaded.config.vocab_size != vocab_size:
             raise ValueError(
-                f"speculative_config.model {model!r} has a vocabulary of {loaded.config.vocab_size} tokens, the target's has {vocab_size}: "
+                f"speculative_config.model {model!r} has a vocabulary of {loaded.config.vocab_size} tokens, "
+                f"the target's has {vocab_size}: "
                 "a draft model must share the target's tokenizer"
             )
-        runner = ModelRunner(loaded.model, loaded.config, num_blocks, block_size, kv_dtype, device, compile, background(loaded.path) if background else None)
+        runner = ModelRunner(
+            loaded.model,
+            loaded.config,
+            num_blocks,
+            block_size,
+            kv_dtype,
+            device,
+            compile,
+            background(loaded.path) if background else None,
+        )
         return cls(runner, BlockManager(num_blocks, block_size, enable_prefix_caching=False))
 
     def __init__(self, runner: ModelRunner, block_manager: BlockManager) -> None:
@@ -59,7 +80,9 @@ class DraftModelProposer(Proposer):
                 if len(tokens[i]) != step or step >= num_tokens[i]:
                     continue
                 n = draft.num_tokens - draft.num_computed_tokens
-                if self.block_manager.allocate(draft, draft.num_tokens):  # else out of draft blocks: it drafts no further
+                if self.block_manager.allocate(
+                    draft, draft.num_tokens
+                ):  # else out of draft blocks: it drafts no further
                     batch.seqs.append(draft)
                     batch.num_new_tokens.append(n)
                     rows.append(i)
@@ -83,7 +106,9 @@ class DraftModelProposer(Proposer):
         """The draft sequence of `seq`, its tokens made the target's: K/V kept for the prefix they share."""
         draft = self.states.get(seq.seq_id)
         if draft is None:
-            draft = self.states[seq.seq_id] = Sequence(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, seq.params, seq.generator)
+            draft = self.states[seq.seq_id] = Sequence(
+                seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, seq.params, seq.generator
+            )
             self._synced[seq.seq_id] = seq.num_tokens
             return draft
         # The target only appends, so the two agree up to the target's length at the last proposal.

@@ -30,7 +30,9 @@ def _uniform(generator: torch.Generator | None) -> float:
 
 
 @torch.inference_mode()
-def verify(logits: torch.Tensor, seqs: list[Sequence], num_logprobs: list[int | None]) -> tuple[SamplerOutput, list[int]]:
+def verify(
+    logits: torch.Tensor, seqs: list[Sequence], num_logprobs: list[int | None]
+) -> tuple[SamplerOutput, list[int]]:
     """logits [R, V] float32: 1 + draft_length(seq) rows per sequence, in order. Returns the emitted tokens
     (rows of a SamplerOutput, sequence after sequence; logprobs of the raw distribution at each token's
     position) and how many each sequence emitted (its accepted drafts and one more)."""
@@ -51,7 +53,10 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], num_logprobs: list[int | 
         batch = SamplingBatch.from_params(params, [seq.generator for seq in part], vocab, device)
         target = logits[torch.tensor(rows, device=device)]
         if any(c is not None for c in controls):  # they see the tokens accepted before this position
-            histories = [seq.token_ids + emitted[i] if c is not None else seq.token_ids for seq, i, c in zip(part, alive, controls)]
+            histories = [
+                seq.token_ids + emitted[i] if c is not None else seq.token_ids
+                for seq, i, c in zip(part, alive, controls)
+            ]
             target = apply_processors(target, params, histories, controls)
         best = argmax(target).tolist()
         probs = None if batch.all_greedy else Sampler.probs(target, batch)

@@ -36,7 +36,9 @@ class SpecStats:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int, stop_token_ids: set[int]) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int, stop_token_ids: set[int]
+    ) -> None:
         self.config, self.proposer, self.max_model_len = config, proposer, max_model_len
         self.stop_token_ids = stop_token_ids
         self.costs = StepCosts()  # the target's decode and verify steps, by query tokens
@@ -57,19 +59,33 @@ class Speculator:
         for index, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             # Decodes only: a draft after a prefill chunk would make the prompt's rows part of a longer attention,
             # whose floats differ from those of the prompt alone (on the fast path that can change a token).
-            if n != 1 or seq.num_computed_tokens + n != seq.num_tokens or seq.num_candidates is not None or seq.score_prompt:
+            if (
+                n != 1
+                or seq.num_computed_tokens + n != seq.num_tokens
+                or seq.num_candidates is not None
+                or seq.score_prompt
+            ):
                 continue
             # Drafts past max_tokens or the context would be computed for nothing.
-            room = min(k_max, seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+            room = min(
+                k_max, seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1
+            )
             if room > 0:
                 candidates.append(index)
                 rooms.append(room)
         if not candidates:
             return
         seqs = [batch.seqs[i] for i in candidates]
-        sampling = sum(seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(batch.seqs, batch.num_new_tokens))
+        sampling = sum(
+            seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(batch.seqs, batch.num_new_tokens)
+        )
         alphas = [self.acceptance(s) for s in seqs]
-        choose = lambda limits: choose_draft_lengths(alphas, limits, sum(batch.num_new_tokens), sampling, self.costs, self.proposer.costs)  # noqa: E731
+
+        def choose(limits):
+            return choose_draft_lengths(
+                alphas, limits, sum(batch.num_new_tokens), sampling, self.costs, self.proposer.costs
+            )
+
         seeded = any(seq.generator is not None for seq in seqs)
         if self.config.adaptive and not seeded and not any(choose(rooms)):
             limits = ks = [0] * len(seqs)  # not even the longest drafts would pay: no lookup, no draft

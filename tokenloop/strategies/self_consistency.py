@@ -19,7 +19,8 @@ from tokenloop.sampling.structured import StructuredOutputsParams
 
 @dataclass(slots=True)
 class AnswerSpec:
-    """How to read a sample's answer: `regex` (exactly one group) or `schema` (a JSON schema with an "answer" property)."""
+    """How to read a sample's answer: `regex` (exactly one group) or `schema` (a JSON schema with an "answer"
+    property)."""
 
     regex: str | None = None
     schema: dict[str, Any] | None = None
@@ -108,5 +109,11 @@ class VoteCounter:
         answer = next(iter(votes), None)
         answered = sum(votes.values())
         winner = next((c for c, a in zip(self.samples, self.answers) if a == answer and answer is not None), None)
-        return Vote(answer, votes, votes[answer] / answered if answer is not None else 0.0, list(self.samples), winner,
-                    stopped_early=len(self.samples) < self.n)
+        return Vote(
+            answer,
+            votes,
+            votes[answer] / answered if answer is not None else 0.0,
+            list(self.samples),
+            winner,
+            stopped_early=len(self.samples) < self.n,
+        )

@@ -32,7 +32,9 @@ def outline_conversation(question: str) -> list[dict[str, str]]:
 
 def outline_params(params: SamplingParams) -> SamplingParams:
     # (ignore_eos off: once the grammar is complete only EOS may follow, and it must end the outline)
-    return replace(params, n=1, max_tokens=128, ignore_eos=False, structured_outputs=StructuredOutputsParams(regex=OUTLINE))
+    return replace(
+        params, n=1, max_tokens=128, ignore_eos=False, structured_outputs=StructuredOutputsParams(regex=OUTLINE)
+    )
 
 
 def points_of(outline: str) -> list[str]:
@@ -42,10 +44,15 @@ def points_of(outline: str) -> list[str]:
 def expansion_conversations(question: str, outline: str, points: list[str]) -> list[list[dict[str, str]]]:
     """One conversation per point; all start with the question and the outline (a shared prefix)."""
     head = outline_conversation(question) + [{"role": "assistant", "content": outline}]
-    return [head + [{"role": "user", "content": EXPAND_ASK.format(number=i + 1, point=point)}] for i, point in enumerate(points)]
+    return [
+        head + [{"role": "user", "content": EXPAND_ASK.format(number=i + 1, point=point)}]
+        for i, point in enumerate(points)
+    ]
 
 
-def expansion_suffixes(tokenizer, outline_prompt: str, outline_token_ids: list[int], conversations: list[list[dict[str, str]]]) -> list[list[int]]:
+def expansion_suffixes(
+    tokenizer, outline_prompt: str, outline_token_ids: list[int], conversations: list[list[dict[str, str]]]
+) -> list[list[int]]:
     """The tokens each expansion adds after the outline's own (prompt and output, its end of turn included), read
     off the chat template: ValueError if the template does not write the expansions' prompts that way."""
     written = outline_prompt + tokenizer.decode(outline_token_ids, skip_special_tokens=False)
@@ -54,7 +61,7 @@ def expansion_suffixes(tokenizer, outline_prompt: str, outline_token_ids: list[i
         text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
         if not text.startswith(written):
             raise ValueError("the chat template does not continue the outline's turn as it ended")
-        suffixes.append(tokenizer.encode(text[len(written):], add_special_tokens=False))
+        suffixes.append(tokenizer.encode(text[len(written) :], add_special_tokens=False))
     return suffixes
 
 

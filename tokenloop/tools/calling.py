@@ -10,8 +10,8 @@ Tools reach the model through its own chat template when the template takes `too
 message lists them as JSON and shows that format (`render_tools`), and earlier calls and tool results in the
 conversation are written in the same format. tool_choice "required" or a named function is a grammar of calls
 only (a named function: one call), each call's arguments the function's parameters schema (llguidance's %json),
-so arguments always parse and validate; "auto" lets text come first, and once the text writes the call's opening the call must follow
-the grammar (a lazy trigger); "none" leaves the output free.
+so arguments always parse and validate; "auto" lets text come first, and once the text writes the call's opening
+the call must follow the grammar (a lazy trigger); "none" leaves the output free.
 """
 
 from __future__ import annotations
@@ -62,7 +62,10 @@ class ToolCalling:
         if len(set(names)) != len(names):
             raise ValueError(f"tools: function names must be unique, got {names}")
         if self.choice not in TOOL_CHOICES and self.choice not in names:
-            raise ValueError(f"tool_choice names the function {self.choice!r}, which is not among the tools ({', '.join(names) or 'none given'})")
+            raise ValueError(
+                f"tool_choice names the function {self.choice!r}, "
+                f"which is not among the tools ({', '.join(names) or 'none given'})"
+            )
         if self.choice == "required" and not self.functions:
             raise ValueError("tool_choice 'required' needs tools")
 
@@ -73,7 +76,9 @@ class ToolCalling:
             try:
                 grammars.grammar(StructuredOutputsParams(json=function.parameters))
             except ValueError as e:
-                raise ValueError(f"tools[{i}].function.parameters: {str(e).removeprefix('structured_outputs.json: ')}") from None
+                raise ValueError(
+                    f"tools[{i}].function.parameters: {str(e).removeprefix('structured_outputs.json: ')}"
+                ) from None
 
     @property
     def constrained(self) -> bool:
@@ -89,7 +94,11 @@ class ToolCalling:
         more = ' ("\\n" call)*' if self.parallel and self.choice in ("auto", "required") else ""
         if self.choice == "auto":
             # Free text, or text up to the call's opening (lazy: it ends there) and then calls only.
-            rules += [f"start: TEXT | opening call_body{more}", '''opening[lazy]: TEXT "<tool_call>"''', "TEXT: /(.|\\n)*/"]
+            rules += [
+                f"start: TEXT | opening call_body{more}",
+                '''opening[lazy]: TEXT "<tool_call>"''',
+                "TEXT: /(.|\\n)*/",
+            ]
         else:
             rules += [f"start: call{more}"]
         rules += ['call: "<tool_call>" call_body', "call_body: " + " | ".join(f"tool_{i}" for i in range(len(called)))]
@@ -100,7 +109,9 @@ class ToolCalling:
             rules.append(f"tool_{i}: {json.dumps(head)} %json {json.dumps(schema)} {json.dumps(CALL_SUFFIX)}")
         return StructuredOutputsParams(grammar="\n".join(rules) + "\n")
 
-    def render(self, messages: list[dict[str, Any]], template_takes_tools: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def render(
+        self, messages: list[dict[str, Any]], template_takes_tools: bool
+    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The conversation and the template's extra arguments: tools for a template that takes them, else the
         default rendering (a system message that lists them; calls and results written in the call format)."""
         messages = [_arguments_as_objects(m) for m in messages]
@@ -120,7 +131,9 @@ def _arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
             try:
                 function["arguments"] = json.loads(function["arguments"])
             except json.JSONDecodeError:
-                raise ValueError(f"messages: a tool call's arguments are not JSON: {function['arguments'][:80]!r}") from None
+                raise ValueError(
+                    f"messages: a tool call's arguments are not JSON: {function['arguments'][:80]!r}"
+                ) from None
         calls.append({**call, "function": function})
     return {**message, "tool_calls": calls}
 
@@ -134,7 +147,9 @@ def render_tools(messages: list[dict[str, Any]], functions: list[Function]) -> l
     out = []
     for message in messages:
         if message.get("tool_calls"):
-            calls = "\n".join(format_call(c["function"]["name"], c["function"].get("arguments", {})) for c in message["tool_calls"])
+            calls = "\n".join(
+                format_call(c["function"]["name"], c["function"].get("arguments", {})) for c in message["tool_calls"]
+            )
             message = {"role": message["role"], "content": ((message.get("content") or "") + "\n" + calls).lstrip("\n")}
         elif message.get("role") == "tool":
             message = {"role": "user", "content": f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"}

@@ -51,7 +51,7 @@ def parse_reply(text: str, finished: bool) -> ParsedReply:
             if finished:  # not a call the grammar wrote: keep the text
                 return ParsedReply(text if not calls else content, calls)
             break
-        rest = block[header.end():]
+        rest = block[header.end() :]
         end = rest.find(CALL_SUFFIX)
         if end >= 0:
             arguments, complete = rest[:end], True
