@@ -60,3 +60,14 @@ def test_a_tree_that_differs_from_its_commit_says_so(tmp_path):
     subprocess.run(["git", "add", "pyproject.toml"], cwd=root, check=True)
     record.save("offline", "table", root)
     assert json.loads((root / "benchmarks/results/offline.jsonl").read_text())["commit"].endswith("+changes")
+
+
+def test_what_record_writes_does_not_count_as_a_change(tmp_path):
+    root = checkout(tmp_path)
+    subprocess.run(["git", "add", "README.md"], cwd=root, check=True)
+    subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "readme"], cwd=root, check=True
+    )
+    record.save("offline", "table", root)  # rewrites the README's table
+    record.save("serve", "report", root)
+    assert not json.loads((root / "benchmarks/results/serve.jsonl").read_text())["commit"].endswith("+changes")
