@@ -133,3 +133,17 @@ def tiny_gemma3_folder(tmp_path_factory) -> Path:
         model.model.norm.weight.add_(3.0)  # sharper logits (x4), so that greedy choices are not near-ties
     model.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny_model(request):
+    """A tiny random Llama (untied) or Qwen2 (tied) checkpoint in transformers, to be written as GGUF files."""
+    transformers = pytest.importorskip("transformers")
+    from tests.gguf_files import TINY
+
+    torch.manual_seed(0)
+    if request.param == "llama":
+        config = transformers.LlamaConfig(**TINY, tie_word_embeddings=False)
+    else:
+        config = transformers.Qwen2Config(**TINY, tie_word_embeddings=True)
+    return request.param, transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

@@ -100,3 +100,29 @@ def write_tiny_tokenizer(folder: Path) -> Path:
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 3]}))
     return folder
+
+
+def small_vocab_model(folder: Path, vocab: int, seed: int):
+    """A tiny random Llama of `vocab` tokens with the tiny tokenizer, saved in folder: small enough to enumerate
+    every two-token continuation."""
+    import transformers
+
+    write_tiny_tokenizer(folder)
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4)  # distributions with peaks and tails, not near-uniform
+    model.save_pretrained(folder)
+    return model.eval()

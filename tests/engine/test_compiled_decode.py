@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from tests.models.test_gguf_loader import Q, tiny_model, write_gguf  # noqa: F401 (tiny_model is a fixture)
+from tests.gguf_files import Q, write_gguf
 from tokenloop import kernels
 from tokenloop.engine import compiled_decode
 from tokenloop.engine.block_manager import BlockManager

@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
+from tests.gguf_files import Q, write_gguf
 from tests.helpers import forward_in_chunks
-from tests.models.test_gguf_loader import Q, write_gguf
 from tokenloop.models.config import ModelConfig
 from tokenloop.models.loader import load_model
 

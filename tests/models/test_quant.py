@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from gguf.quants import dequantize, quantize
 
+from tests.gguf_files import TOKENS, write_gguf
 from tests.helpers import forward_in_chunks
-from tests.models.test_gguf_loader import TOKENS, tiny_model, write_gguf  # noqa: F401 (tiny_model is a fixture)
 from tokenloop import kernels
 from tokenloop.models.ggml_types import GGML_FORMATS
 from tokenloop.models.loader import load_model

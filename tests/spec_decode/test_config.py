@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.spec_decode.test_distribution import small_vocab_model
+from tests.helpers import small_vocab_model
 from tokenloop import LLM
 from tokenloop.spec_decode.config import SpeculativeConfig
 
@@ -40,7 +40,7 @@ def test_a_bad_config_is_a_value_error_naming_the_field(tiny_model_folder, confi
 
 
 def test_a_draft_model_with_another_vocabulary_names_both_sizes(tiny_model_folder, tmp_path):
-    small_vocab_model(tmp_path, seed=0)
+    small_vocab_model(tmp_path, 8, seed=0)
     with pytest.raises(ValueError, match="vocabulary of 8 tokens, the target's has 400"):
         LLM(
             tiny_model_folder,

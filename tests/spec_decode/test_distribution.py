@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from tests.helpers import write_tiny_tokenizer
+from tests.helpers import small_vocab_model
 from tokenloop import LLM, SamplingParams
 from tokenloop.spec_decode import rejection_sampler
 
@@ -18,39 +18,16 @@ PROMPT = [2, 3, 4, 5, 2, 3, 4, 5, 2, 3]  # the lookup proposes 4, 5, 2, ... for 
 REQUESTS, SAMPLES_PER_REQUEST = 20, 1000  # 20,000 samples
 
 
-def small_vocab_model(folder, seed: int):
-    transformers = pytest.importorskip("transformers")
-    write_tiny_tokenizer(folder)
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=1,
-    )
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4)  # distributions with peaks and tails, not near-uniform
-    model.save_pretrained(folder)
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     folder = tmp_path_factory.mktemp("small_vocab_target")
-    return folder, small_vocab_model(folder, seed=1)
+    return folder, small_vocab_model(folder, VOCAB, seed=1)
 
 
 @pytest.fixture(scope="module")
 def draft_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("small_vocab_draft")
-    small_vocab_model(folder, seed=2)  # another model: q differs from p, so rejections and residual draws happen
+    small_vocab_model(folder, VOCAB, seed=2)  # another model: q differs from p, so rejections and residual draws happen
     return folder
 
 
