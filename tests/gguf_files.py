@@ -126,3 +126,19 @@ def write_gguf(
 
 
 TOKENS = list(range(3, 90, 4))  # a prompt for the tiny models
+
+
+# Byte offsets of each block's float16 fields (d, and m or dmin), which must be finite.
+HALF_FIELDS = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q8_0: [0], Q.Q5_0: [0], Q.Q4_K: [0, 2], Q.Q6_K: [208]}
+
+
+def random_blocks(qtype: Q, rows: int, cols: int, seed: int, half_range: float = 0.05) -> np.ndarray:
+    """Raw rows [rows, bytes per row]: random bytes, the float16 fields uniform in ±half_range."""
+    rng = np.random.default_rng(seed)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, (rows, cols // block_size, type_size), dtype=np.uint8)
+    for at in HALF_FIELDS[qtype]:
+        halves = rng.uniform(-half_range, half_range, (rows, cols // block_size)).astype(np.float16)
+        halves[0, 0] = 0  # a zero scale too
+        data[..., at : at + 2] = halves[..., None].view(np.uint8)
+    return data.reshape(rows, -1)

@@ -126,3 +126,28 @@ def small_vocab_model(folder: Path, vocab: int, seed: int):
         model.lm_head.weight.mul_(4)  # distributions with peaks and tails, not near-uniform
     model.save_pretrained(folder)
     return model.eval()
+
+
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """The kernel's activations, in float64: int8 per block of 32 with scale max|x| / 127, times that scale."""
+    m, k = x.shape
+    blocks = x.view(m, k // 32, 32)
+    amax = blocks.abs().amax(-1)
+    q = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0)[..., None])
+    return (q.double() * (amax.double() / 127)[..., None]).view(m, k)
+
+
+def reference_greedy(model, prompt_ids: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' model decoded greedily with its own KV cache; per-step log-probabilities of the raw logits."""
+    tokens, logprobs = [], []
+    ids, past = torch.tensor([prompt_ids]), None
+    with torch.no_grad():
+        for _ in range(steps):
+            out = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            lp = out.logits[0, -1].float().log_softmax(-1)
+            token = int(lp.argmax())
+            tokens.append(token)
+            logprobs.append(lp)
+            ids = torch.tensor([[token]])
+    return tokens, logprobs

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.models.test_ggml_types import random_blocks
+from tests.gguf_files import random_blocks
 from tokenloop import LLM, SamplingParams
 from tokenloop.kernels import cpu_kernels_available
 from tokenloop.models.quant import Int4Linear, Int5Linear, Int8Embedding, Int8Linear, QuantLayout

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import quantized_activations
 from tokenloop import kernels
 from tokenloop.models.quant import (
     FactoredScales,
@@ -31,15 +32,6 @@ pytestmark = pytest.mark.skipif(kernels._unsupported_reason() is not None, reaso
 @pytest.fixture(scope="module", autouse=True)
 def built():
     assert kernels.cpu_kernels_available()  # where it is supported, building it must work
-
-
-def quantized_activations(x: torch.Tensor) -> torch.Tensor:
-    """The kernel's activations, in float64: int8 per block of 32 with scale max|x| / 127, times that scale."""
-    m, k = x.shape
-    blocks = x.view(m, k // 32, 32)
-    amax = blocks.abs().amax(-1)
-    q = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0)[..., None])
-    return (q.double() * (amax.double() / 127)[..., None]).view(m, k)
 
 
 def random_q4(n: int, k: int, gen: torch.Generator) -> tuple[Int4Linear, torch.Tensor]:

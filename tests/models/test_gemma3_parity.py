@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import transformers_from_gguf
-from tests.models.test_gguf_parity import reference_greedy
+from tests.helpers import reference_greedy, transformers_from_gguf
 from tokenloop import LLM, SamplingParams
 from tokenloop.tokenizer.builtin_templates import GEMMA3_CHAT_TEMPLATE
 

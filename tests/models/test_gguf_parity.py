@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import forward_in_chunks
+from tests.helpers import forward_in_chunks, reference_greedy
 from tokenloop import SamplingParams
 from tokenloop.models.loader import LoadedModel
 
@@ -43,22 +43,6 @@ RAW_PROMPTS = [
     "长城是中国古代的军事防御工程，",
     LONG_PROMPT,
 ]
-
-
-def reference_greedy(model, prompt_ids: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
-    """transformers' model decoded greedily with its own KV cache; per-step log-probabilities of the raw logits."""
-    tokens, logprobs = [], []
-    ids, past = torch.tensor([prompt_ids]), None
-    with torch.no_grad():
-        for _ in range(steps):
-            out = model(input_ids=ids, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            lp = out.logits[0, -1].float().log_softmax(-1)
-            token = int(lp.argmax())
-            tokens.append(token)
-            logprobs.append(lp)
-            ids = torch.tensor([[token]])
-    return tokens, logprobs
 
 
 def prompts(llm) -> list[dict]:

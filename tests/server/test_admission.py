@@ -12,7 +12,7 @@ from http.client import HTTPConnection
 import pytest
 
 from tests.server.conftest import server_pid_rss_mb
-from tests.server.test_errors import BAD_REQUESTS, assert_openai_error, assert_still_serves, post
+from tests.server.openai_errors import BAD_REQUESTS, assert_openai_error, assert_still_serves, post
 
 HI = [{"role": "user", "content": "Hi"}]
 

@@ -13,7 +13,7 @@ import time
 import httpx
 
 from tests.server.conftest import MODEL_NAME, start_server, stop_server
-from tests.server.test_errors import assert_openai_error
+from tests.server.openai_errors import assert_openai_error
 
 SHUTDOWN_TIMEOUT_S = 1.0
 
