@@ -53,9 +53,9 @@ def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        return f"{names[0]}, {os.cpu_count()} cores" if names else platform.processor()
     except OSError:
-        return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+        names = []
+    return f"{names[0] if names else platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
 
 def save(kind: str, report: str, root: Path | None = None) -> Path:
@@ -72,7 +72,7 @@ def save(kind: str, report: str, root: Path | None = None) -> Path:
         "command": "tokenloop " + shlex.join(sys.argv[1:]),
         "report": report,
     }
-    results = root / "benchmarks" / "results" / f"{kind}.jsonl"
+    results = _results(root, kind)
     results.parent.mkdir(parents=True, exist_ok=True)
     with results.open("a") as f:
         f.write(json.dumps(row) + "\n")
@@ -80,8 +80,12 @@ def save(kind: str, report: str, root: Path | None = None) -> Path:
     return results
 
 
+def _results(root: Path, kind: str) -> Path:
+    return root / "benchmarks" / "results" / f"{kind}.jsonl"
+
+
 def load(root: Path, kind: str) -> list[dict]:
-    path = root / "benchmarks" / "results" / f"{kind}.jsonl"
+    path = _results(root, kind)
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
@@ -94,9 +98,8 @@ def render(root: Path) -> None:
         "# Benchmarks\n",
         "Written by `tokenloop bench ... --record` from `benchmarks/results/*.jsonl`; do not edit by hand. "
         "The machine's speed drifts by more than 10% within an hour, so compare figures within one run "
-        "(every table has its peer, "
-        "measured in the same run), not across rows. [benchmark-notes.md](benchmark-notes.md) keeps the earlier runs "
-        "and the profiles behind them.\n",
+        "(every table has its peer, measured in the same run), not across rows. "
+        "[benchmark-notes.md](benchmark-notes.md) keeps the earlier runs and the profiles behind them.\n",
     ]
     for kind, title in KINDS.items():
         rows = load(root, kind)

@@ -125,7 +125,7 @@ class AsyncEngine:
     def admit(self, num_requests: int) -> None:
         """Raise EngineDraining or EngineBusy unless `num_requests` more requests may wait."""
         if self.death is not None:
-            raise EngineDraining(f"the engine's step loop died ({self.death!r}); the server is exiting")
+            raise EngineDraining(self._death_message())
         if self.draining:
             raise EngineDraining("the server is shutting down")
         if self.num_waiting + num_requests > self.config.max_waiting:
@@ -208,8 +208,11 @@ class AsyncEngine:
         except BaseException as e:
             self._died(e)
 
+    def _death_message(self) -> str:
+        return f"the engine's step loop died ({self.death!r}); the server is exiting"
+
     def _death_error(self) -> RequestFailed:
-        return RequestFailed(f"the engine's step loop died ({self.death!r}); the server is exiting")
+        return RequestFailed(self._death_message())
 
     def _died(self, e: BaseException) -> None:
         logger.critical("the engine's step loop died", exc_info=e)

@@ -251,8 +251,8 @@ KeyBlock<T> key_block(const T* k_cache, const T* v_cache, const Entry& e, const 
   for (int g = 0; g < 2; ++g) {
     const int64_t pos = block * kKeys + (block * kKeys + g * kGroup < e.first + e.count ? g * kGroup : 0);
     const int64_t start = (h * c.slots + e.table[pos / c.block_size] * c.block_size) * c.d, offset = pos % c.block_size;
-    b.keys[g] = k_cache + start + offset * kPairWidth<T>;
-    b.values[g] = v_cache + start + offset * c.d;
+    b.keys[g] = k_cache + start + key_offset<T>(offset, 0, c.block_size);  // the group's first key, dimension 0
+    b.values[g] = v_cache + start + value_offset<T>(offset, 0, c.d);
   }
   return b;
 }

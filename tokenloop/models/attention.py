@@ -103,9 +103,8 @@ class KVCacheAttention(nn.Module):
         mask = k_pos <= q_pos
         if meta.window is not None:
             mask = mask & (k_pos > q_pos - meta.window)
-        mask = mask | (
-            ~mask.any(dim=-1, keepdim=True) & (k_pos == 0)
-        )  # padding queries keep key 0: no empty softmax row
+        # Padding queries keep key 0: no empty softmax row.
+        mask = mask | (~mask.any(dim=-1, keepdim=True) & (k_pos == 0))
         kv_heads, slots, d = self.k_cache.shape
         # The sequences' whole blocks, then their rows: (B, num_kv_heads, K, head_dim).
         blocks = [
