@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from tokenloop.bench import frontend as frontend_bench
 from tokenloop.bench import offline as offline_bench
 from tokenloop.bench import serve_peers as serve_bench
 from tokenloop.models import store
@@ -91,7 +92,7 @@ def _add_threads_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _add_compile_arg(p: argparse.ArgumentParser) -> None:
-    from tokenloop.engine.llm_engine import compile_by_default
+    from tokenloop.engine.config import compile_by_default
 
     p.add_argument(
         "--compile",
@@ -247,7 +248,7 @@ def cmd_perplexity(args) -> int:
 
 def cmd_serve(args) -> int:
     from tokenloop.engine.async_engine import AsyncEngineConfig
-    from tokenloop.engine.llm_engine import EngineConfig
+    from tokenloop.engine.config import EngineConfig
     from tokenloop.server.serve import ServerConfig, serve
 
     engine_config = EngineConfig(
@@ -292,7 +293,8 @@ def cmd_models(args) -> int:
 def cmd_pull(args) -> int:
     path = store.pull(args.name)
     if args.compile:  # the kernels and the decode package too, so that the first generate starts on the fast path
-        from tokenloop.engine.llm_engine import EngineConfig, LLMEngine
+        from tokenloop.engine.config import EngineConfig
+        from tokenloop.engine.llm_engine import LLMEngine
 
         LLMEngine(EngineConfig(model=str(path), kv_cache_gb=0.01, compile=True, compile_in_background=False))
     print(path)
@@ -395,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     p = bench.add_parser("serve", help="load an OpenAI-compatible server: TTFT, inter-token latency, throughput")
     serve_bench.add_arguments(p)
     p.set_defaults(func=serve_bench.main_from_args)
+    p = bench.add_parser("frontend", help="a running stream and /health while a server does input work beside them")
+    frontend_bench.add_arguments(p)
+    p.set_defaults(func=frontend_bench.main_from_args)
     sub.add_parser("models", help="list known models").set_defaults(func=cmd_models)
     p = sub.add_parser("pull", help="fetch a known model into the local store, and compile its decode step")
     p.add_argument("name")

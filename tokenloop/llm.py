@@ -9,7 +9,9 @@ from dataclasses import replace
 from tqdm import tqdm
 
 from tokenloop.engine.beam_search import BeamSearchParams
-from tokenloop.engine.llm_engine import EngineConfig, LLMEngine, Prompt
+from tokenloop.engine.config import EngineConfig
+from tokenloop.engine.input_processor import Prompt
+from tokenloop.engine.llm_engine import LLMEngine
 from tokenloop.outputs import RequestOutput
 from tokenloop.sampling.params import SamplingParams
 from tokenloop.strategies import skeleton
@@ -45,8 +47,8 @@ class LLM:
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
         engine = self.llm_engine
         # Tokenize and validate every prompt before any runs, so a bad one does not leave the others half-done.
-        inputs = [engine.process_prompt(p, sp) for p, sp in zip(prompts, sampling_params)]
-        ids = [engine.add_request(p, sp) for p, sp in zip(inputs, sampling_params)]
+        inputs = [engine.input_processor.process(p, sp) for p, sp in zip(prompts, sampling_params)]
+        ids = [engine.add_request(p) for p in inputs]
         return self._run(ids, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -71,8 +73,8 @@ class LLM:
         is_batch = isinstance(prompts, list | tuple) and not (prompts and isinstance(prompts[0], int))
         prompts = list(prompts) if is_batch else [prompts]
         engine = self.llm_engine
-        inputs = [engine.process_prompt(p, params) for p in prompts]  # every prompt checked before any runs
-        return self._run([engine.add_beam_request(p, params) for p in inputs], use_tqdm)
+        inputs = [engine.input_processor.process(p, params) for p in prompts]  # every prompt checked before any runs
+        return self._run([engine.add_request(p) for p in inputs], use_tqdm)
 
     def self_consistency(
         self, prompt: Prompt, n: int, answer: str | dict | AnswerSpec, params: SamplingParams | None = None
@@ -153,4 +155,6 @@ class LLM:
         calling = None
         if tools:
             calling = ToolCalling([Function.from_openai(t["function"]) for t in tools], "none")
-        return self.llm_engine.chat_prompt(conversation, add_generation_prompt, calling, continue_final_message)
+        return self.llm_engine.input_processor.chat(
+            conversation, add_generation_prompt, calling, continue_final_message, within_limits=False
+        )

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tokenloop.engine.async_engine import AsyncEngine, AsyncEngineConfig, EngineBusy, EngineDraining, RequestFailed
-from tokenloop.engine.llm_engine import EngineConfig
+from tokenloop.engine.config import EngineConfig
 from tokenloop.sampling.params import SamplingParams
 
 PARAMS = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)

@@ -80,7 +80,7 @@ def test_a_beam_search_among_other_requests_finds_the_same_beams(tiny_llm):
     engine = tiny_llm.llm_engine
     plain = SamplingParams(temperature=0.8, seed=1, max_tokens=20, ignore_eos=True)
     others = [engine.add_request(p, plain) for p in PROMPTS * 3]
-    beam = engine.add_beam_request(PROMPTS[0], params)
+    beam = engine.add_request(PROMPTS[0], params)
     outs = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

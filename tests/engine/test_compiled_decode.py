@@ -16,7 +16,7 @@ from tests.gguf_files import Q, write_gguf
 from tokenloop import kernels
 from tokenloop.engine import compiled_decode
 from tokenloop.engine.block_manager import BlockManager
-from tokenloop.engine.llm_engine import EngineConfig
+from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.model_runner import ModelRunner
 from tokenloop.engine.scheduler import ScheduledBatch
 from tokenloop.engine.sequence import Sequence

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import pytest
 
 from tokenloop import LLM, BeamSearchParams, SamplingParams
-from tokenloop.engine.llm_engine import Prompt
+from tokenloop.engine.input_processor import Prompt
 from tokenloop.outputs import Logprob, RequestOutput
 
 SHARED = "Hello world! Hello tokenizers, hello templates. " * 3

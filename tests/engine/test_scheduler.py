@@ -74,3 +74,44 @@ def test_idle_sequences_holding_the_blocks_a_waiting_one_needs_give_them_back():
     # c first, then the idle ones behind it as blocks allow (b fits in what is left; a waits)
     assert [s.seq_id for s in batch.seqs] == ["c", "b"] and [s.seq_id for s in sched.waiting] == ["a"]
     assert a.num_computed_tokens == b.num_computed_tokens == 0 and sched.num_preemptions == 2
+
+
+def test_update_from_output_rolls_a_rejected_draft_back_and_frees_the_blocks_it_held():
+    from tokenloop.spec_decode.proposer import Draft
+
+    manager = BlockManager(8, 16, enable_prefix_caching=False)
+    scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64)
+    s = seq("a", 14)
+    scheduler.add(s)
+    batch = scheduler.schedule()
+    s.token_ids.append(7)  # the output processor appends before the scheduler's update
+    scheduler.update_from_output(batch, [1])
+    assert s.num_computed_tokens == 14 and len(s.block_table) == 1
+    batch = scheduler.schedule()
+    s.draft = Draft([1, 2, 3, 4, 5, 6])  # what the speculator adds: six draft tokens and their blocks
+    batch.num_new_tokens[0] += 6
+    assert manager.allocate(s, s.num_tokens + 6) and len(s.block_table) == 2
+    s.token_ids.append(8)  # every draft token rejected: one token from the verifying row
+    scheduler.update_from_output(batch, [1])
+    assert (s.num_computed_tokens, s.num_tokens, len(s.block_table), s.draft) == (15, 16, 1, None)
+    assert manager.num_used_blocks == 1
+
+
+def test_update_from_output_frees_finished_sequences_unless_they_keep_their_blocks_and_skips_failed_ones():
+    manager = BlockManager(8, 16, enable_prefix_caching=False)
+    scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64)
+    done, kept, failed = seq("a", 5), seq("b", 5), seq("c", 5)
+    kept.keep_blocks = True
+    ended = []
+    scheduler.on_finish.append(ended.append)
+    for s in (done, kept, failed):
+        scheduler.add(s)
+    batch = scheduler.schedule()
+    for s in (done, kept):
+        s.token_ids.append(7)
+        s.finish_reason = "length"
+    scheduler.update_from_output(batch, [1, 1, None])
+    assert ended == [done, kept] and scheduler.running == [failed]
+    assert (done.block_table, len(kept.block_table), failed.num_computed_tokens) == ([], 1, 0)
+    scheduler.release(kept)
+    assert manager.num_used_blocks == 1 and not kept.keep_blocks  # only the failed one's, until the engine drops it

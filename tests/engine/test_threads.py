@@ -35,7 +35,7 @@ def test_the_default_does_not_follow_what_an_earlier_engine_set(monkeypatch):
 
 
 def test_an_explicit_thread_count_is_checked(tiny_model_folder):
-    from tokenloop.engine.llm_engine import EngineConfig
+    from tokenloop.engine.config import EngineConfig
 
     with pytest.raises(ValueError, match="threads must be an integer >= 1"):
         EngineConfig(str(tiny_model_folder), threads=0)

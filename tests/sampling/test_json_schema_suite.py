@@ -45,7 +45,7 @@ STRICTER = {
 
 @pytest.fixture(scope="module")
 def compiler(tiny_llm) -> GrammarCompiler:
-    return tiny_llm.llm_engine.grammars()
+    return tiny_llm.llm_engine.input_processor.grammars()
 
 
 def accepts(compiler: GrammarCompiler, grammar: str, text: str, encode) -> bool:

@@ -235,7 +235,7 @@ UNSTOPPED = {0: {"a recipe"}, 0.8: set()}
 def grammars(default_model_path):
     from tokenloop import LLM
 
-    return LLM(default_model_path, compile=False, kv_cache_gb=0.01).llm_engine
+    return LLM(default_model_path, compile=False, kv_cache_gb=0.01).llm_engine.input_processor
 
 
 @pytest.mark.parametrize("temperature", [0, 0.8])

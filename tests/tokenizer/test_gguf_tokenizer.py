@@ -100,3 +100,28 @@ def test_special_tokens_written_in_text_are_parsed(smollm: Tokenizer):
     ids = smollm.encode("<|im_start|>user\nhi<|im_end|>")
     assert ids[0] == 1 and ids[-1] == 2
     assert smollm.decode(ids, skip_special_tokens=True) == "user\nhi"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "All work and no play makes Jack a dull boy. " * 50,
+        " " * 300 + "=" * 300,
+        "日本語のテキストと絵文字 🎉🎉 " * 20,
+        "<|im_start|>user\nhi<|im_end|>" * 10,
+        "x",
+    ],
+)
+def test_min_tokens_is_a_lower_bound_of_the_tokens_a_text_makes(smollm, text):
+    assert 0 < smollm.min_tokens(text) <= len(smollm.encode(text, add_special_tokens=False))
+
+
+def test_encode_with_a_limit_refuses_a_longer_text_by_its_count(smollm):
+    from tokenloop.tokenizer.tokenizer import TooManyTokens
+
+    text = "All work and no play makes Jack a dull boy. " * 20
+    n = len(smollm.encode(text))
+    assert smollm.encode(text, limit=n) == smollm.encode(text)
+    with pytest.raises(TooManyTokens) as refused:
+        smollm.encode(text, limit=n - 1)
+    assert refused.value.num_tokens == n

@@ -1,9 +1,13 @@
-"""What the benches share: the prompt they send, and the compiled package built before anything is timed."""
+"""What the benches share: the prompt they send, the compiled package built before anything is timed, and the
+wait for a server they started."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
+
+import httpx
 
 # 91 prompt tokens with SmolLM2's tokenizer; fixed so that runs and servers compare like for like.
 DEFAULT_PROMPT = (
@@ -21,3 +25,17 @@ def build_compiled_package(model: str, dtype: str) -> None:
     tables measure (the package serves any thread count)."""
     script = f"from tokenloop import LLM; LLM({model!r}, dtype={dtype!r}, compile=True, compile_in_background=False)"
     subprocess.run([sys.executable, "-c", script], check=True)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 900) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} while starting")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"no 200 from {url} within {timeout:g} s")

@@ -18,10 +18,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-import httpx
-
 from tokenloop.bench import record, serve
-from tokenloop.bench.common import build_compiled_package
+from tokenloop.bench.common import build_compiled_package, wait_healthy
 from tokenloop.bench.serve import ServeBenchConfig, ServeBenchResult, format_report, percentile, run_serve_bench
 
 PEERS = ("llama-server", "llama-cpp-python")
@@ -35,20 +33,6 @@ class ServerRun:
     peak_rss_mib: float
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 900) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode} while starting")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"no 200 from {url} within {timeout:g} s")
-
-
 def _peak_rss_mib(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -60,7 +44,7 @@ def _peak_rss_mib(pid: int) -> float:
 def _run(label: str, cmd: list[str], port: int, health: str, bench: ServeBenchConfig) -> ServerRun:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_healthy(f"http://127.0.0.1:{port}{health}", proc)
+        wait_healthy(f"http://127.0.0.1:{port}{health}", proc)
         result = asyncio.run(run_serve_bench(dataclasses.replace(bench, base_url=f"http://127.0.0.1:{port}/v1")))
         return ServerRun(label, result, _peak_rss_mib(proc.pid))
     finally:

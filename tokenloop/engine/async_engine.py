@@ -2,6 +2,9 @@
 
 The engine itself stays single-threaded: the event loop only queues commands (add, abort, pause, resume) that
 the step thread applies between steps, and the step thread hands each step's outputs back with one call_soon_threadsafe.
+What comes before a request is queued (chat templates, tokenizing, grammars, checks: engine/input_processor.py)
+runs on input threads of lower CPU priority (engine/input_threads.py), so that neither the event loop nor the step
+waits for it.
 
 What one request can cost the others is bounded here: requests waiting for their first token are capped
 (`max_waiting`), a stream holds one output however far its reader lags (outputs are cumulative, so the newest
@@ -23,7 +26,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from tokenloop.engine.llm_engine import EngineConfig, LLMEngine, Prompt
+from tokenloop.engine.beam_search import BeamSearchParams
+from tokenloop.engine.config import EngineConfig
+from tokenloop.engine.input_processor import InputProcessor, ProcessedPrompt, Prompt
+from tokenloop.engine.input_threads import InputThreads
+from tokenloop.engine.llm_engine import LLMEngine
 from tokenloop.engine.metrics import EngineMetrics
 from tokenloop.outputs import RequestOutput
 from tokenloop.sampling.params import SamplingParams
@@ -96,10 +103,10 @@ class AsyncEngine:
         self._wakeup = threading.Event()
         self._stopping = False
         self.draining = False
-        self.num_waiting = 0  # requests admitted, no output yet (event loop side)
+        self.num_waiting = 0  # requests admitted, no output yet (event loop side), their prompts processed or not
         self._ids = 0
         self._heartbeat = time.monotonic()  # the step loop's last sign of life
-        self.engine: LLMEngine  # set by the step thread
+        self.engine: LLMEngine  # set by the step thread, and used there only
         built: queue.SimpleQueue = queue.SimpleQueue()  # None once self.engine is set, or why it could not be built
         self._thread = threading.Thread(
             target=self._run, args=(engine_config, built), name="tokenloop-engine", daemon=True
@@ -107,6 +114,11 @@ class AsyncEngine:
         self._thread.start()
         if (error := built.get()) is not None:
             raise error
+        self.inputs: InputProcessor = self.engine.input_processor  # thread-safe: used on the input threads
+        self.input_threads = InputThreads()
+        # llguidance's tokenizer takes a while to build, holding the GIL: built now, not on the first structured
+        # request while others stream.
+        self.input_threads.submit(self.inputs.grammars)
 
     @property
     def num_in_flight(self) -> int:
@@ -121,6 +133,19 @@ class AsyncEngine:
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout=30)
+        self.input_threads.shutdown()
+
+    async def admit_and_process(
+        self, prompts: list[Prompt], params: SamplingParams | BeamSearchParams
+    ) -> list[ProcessedPrompt]:
+        """Admit len(prompts) requests (EngineDraining, EngineBusy), then process every prompt on an input thread
+        before any is queued (ValueError for a bad one); they count as waiting meanwhile."""
+        self.admit(len(prompts))
+        self.num_waiting += len(prompts)
+        try:
+            return await self.input_threads.run(lambda: [self.inputs.process(p, params) for p in prompts])
+        finally:
+            self.num_waiting -= len(prompts)
 
     def admit(self, num_requests: int) -> None:
         """Raise EngineDraining or EngineBusy unless `num_requests` more requests may wait."""
@@ -136,22 +161,27 @@ class AsyncEngine:
         self._command("abort_all", None)
 
     async def generate(
-        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: Prompt | ProcessedPrompt,
+        params: SamplingParams | BeamSearchParams | None = None,
+        request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (cumulative; a slow reader skips the ones superseded meanwhile). Leaving
-        the iteration early aborts it and frees its blocks."""
-        tokenized = self.engine.process_prompt(prompt, params)  # ValueError here, before anything is queued
+        the iteration early aborts it and frees its blocks. A prompt not yet processed is, first (a ValueError
+        then, before anything is queued)."""
         if request_id is None:
             self._ids += 1
             request_id = f"req-{self._ids}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Event(), time.perf_counter())
         self._streams[request_id] = stream
         self.num_waiting += 1
-        self._command("add", request_id, tokenized, params)
-        if self.death is not None:  # died before this stream was there to be told
-            self._put(request_id, stream, self._death_error())
         finished = False
         try:
+            if not isinstance(prompt, ProcessedPrompt):
+                prompt = await self.input_threads.run(self.inputs.process, prompt, params or SamplingParams())
+            self._command("add", request_id, prompt)
+            if self.death is not None:  # died before this stream was there to be told
+                self._put(request_id, stream, self._death_error())
             while not finished:
                 await stream.ready.wait()
                 stream.ready.clear()
@@ -252,8 +282,8 @@ class AsyncEngine:
                 return
             try:
                 if kind == "add":
-                    engine.add_request(*args, request_id=request_id)
-                    self.metrics.prompt_tokens.inc(len(args[0]["prompt_token_ids"]))
+                    engine.add_request(args[0], request_id=request_id)
+                    self.metrics.prompt_tokens.inc(len(args[0].prompt_token_ids))
                 elif kind == "abort":
                     engine.abort_request(request_id)
                 elif kind == "abort_all":

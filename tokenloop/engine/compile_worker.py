@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from tokenloop.engine.compiled_decode import CompileSpec, build_package, package_path
-from tokenloop.engine.llm_engine import DTYPES
+from tokenloop.engine.config import DTYPES
 from tokenloop.engine.model_runner import ModelRunner
 from tokenloop.models.loader import load_model
 

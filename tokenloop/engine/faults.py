@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from tokenloop.engine.sequence import Sequence
 
-# Where LLMEngine.step calls check(): building the step's tensors, sampling, turning tokens into text;
+# Where the step calls inject() (engine/executor.py, engine/output_processor.py): building the step's tensors,
+# sampling, turning tokens into text;
 # "stall" sleeps inside the request's first step instead of raising; "die" ends the step thread.
 STAGES = ("prepare", "sample", "detokenize", "stall", "die")
 
@@ -52,3 +53,10 @@ class FaultInjection:
         if stage == "die":
             raise StepThreadKilled(f"injected: the step thread dies in {seq.seq_id}'s step")
         raise InjectedFault(f"injected fault in {stage} of {seq.seq_id}")
+
+
+def inject(faults: list[FaultInjection], stage: str, seqs: list[Sequence]) -> None:
+    """Where a stage of the step may fail (or stall) for a test's marked sequences."""
+    for fault in faults:
+        for seq in seqs:
+            fault.check(stage, seq)

@@ -1,16 +1,27 @@
-"""Output processing: append sampled tokens, detokenize, decide when a completion stops, build request outputs."""
+"""Output processing: append sampled tokens, detokenize, decide when a completion stops, build request outputs.
+
+Outputs are built incrementally: while a request runs, each step's output shows its tokens and logprobs through a
+read-only Prefix of the lists the engine appends to (a copy every step would cost O(L²) over a completion's length);
+its last output holds lists of its own.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence as ReadOnly
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from tokenloop.engine.beam_search import BeamSearch
+from tokenloop.engine.beam_search import Hypothesis
+from tokenloop.engine.executor import StepResult
+from tokenloop.engine.faults import FaultInjection, inject
 from tokenloop.engine.model_runner import PromptScores, StepSamples
 from tokenloop.engine.sequence import Sequence
-from tokenloop.outputs import CompletionOutput, Logprob, RequestOutput, SpeculativeUsage
-from tokenloop.sampling.params import SamplingParams
+from tokenloop.outputs import CompletionOutput, Logprob, Prefix, RequestOutput, SpeculativeUsage
 from tokenloop.tokenizer.detokenizer import IncrementalDetokenizer
 from tokenloop.tokenizer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from tokenloop.engine.requests import Request
 
 # stop_reason of a structured request whose grammar the token bans left no token to choose.
 DEAD_END = "no token left: the grammar allows only banned tokens (bad_words, allowed_token_ids or min_tokens)"
@@ -32,31 +43,38 @@ class CompletionState:
         return self.seq.finish_reason is not None
 
 
-@dataclass(slots=True)
-class RequestState:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    completions: list[CompletionState] = field(default_factory=list)
-    # Per prompt token, with params.prompt_logprobs: its logprob and the top k; None for the first, which has no
-    # context.
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    paused: bool = False  # out of the batches until its reader catches up (engine.pause_request)
-    beam: BeamSearch | None = None  # a beam search's state (its beams are its sequences; no completions)
-    retain: bool = False  # once finished, its sequence keeps its blocks (LLMEngine.fork_request)
-
-    @property
-    def finished(self) -> bool:
-        return len(self.completions) == self.params.n and all(c.finished for c in self.completions)
-
-
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int, speculative: bool = False) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, max_model_len: int, speculative: bool, faults: list[FaultInjection]
+    ) -> None:
         self.tokenizer = tokenizer
         self.speculative = speculative  # outputs carry their request's SpeculativeUsage
         self.eos_token_ids = set(tokenizer.eos_token_ids)
         self.max_model_len = max_model_len
+        self.faults = faults
+
+    def process(self, result: StepResult, requests: dict[str, Request]) -> list[Request]:
+        """Each request's part of a step, for the requests that did not fail: the prompt logprobs scored, then
+        the tokens sampled (Request.on_samples: appended and checked for stops, or a beam's row kept). Returns the
+        requests that got tokens, in the batch's order."""
+        for score in result.scores:
+            seq = result.batch.seqs[score.seq_index]
+            if seq.request_id not in result.failed:
+                self.append_prompt_logprobs(requests[seq.request_id], seq, score)
+        progressed: dict[str, Request] = {}
+        for index, rows in result.sampled.items():
+            seq = result.batch.seqs[index]
+            if seq.request_id in result.failed:
+                continue
+            request = requests[seq.request_id]
+            try:
+                inject(self.faults, "detokenize", [seq])
+                request.on_samples(seq, result.samples, rows, self)
+            except Exception as e:
+                result.fail(request.request_id, "updating", e)
+                continue
+            progressed[request.request_id] = request
+        return list(progressed.values())
 
     def append(self, state: CompletionState, samples: StepSamples, row: int) -> None:
         """Add the token sampled at `row` to a completion; marks it finished when a stop condition holds."""
@@ -81,7 +99,7 @@ class OutputProcessor:
             seq.finish_reason = "length"
         state.streamed_text += state.detokenizer.stream_delta(finished=seq.finish_reason is not None)
 
-    def append_prompt_logprobs(self, request: RequestState, seq: Sequence, scores: PromptScores) -> None:
+    def append_prompt_logprobs(self, request: Request, seq: Sequence, scores: PromptScores) -> None:
         """Store the logprobs of prompt tokens scored this step; a position scored before (the prompt was
         recomputed after a preemption) is kept as it was."""
         for row in range(len(scores.samples.token_ids)):
@@ -99,15 +117,21 @@ class OutputProcessor:
             entries.setdefault(tid, Logprob(lp, rank, self.tokenizer.decode([tid])))
         return entries
 
-    def make_output(self, request: RequestState, finished: bool | None = None) -> RequestOutput:
+    def make_output(self, request: Request, finished: bool | None = None) -> RequestOutput:
         """The request's output so far; `finished` overrides whether it is the last one (an abort)."""
+        finished = request.finished if finished is None else finished
+
+        def shown(items: list | None, start: int = 0) -> ReadOnly | None:
+            """A running request's lists as read-only views; the last output's as copies of its own."""
+            return None if items is None else items[start:] if finished else Prefix(items, start)
+
         completions = [
             CompletionOutput(
                 index=c.index,
                 text=c.detokenizer.output_text if c.finished else c.streamed_text,
-                token_ids=list(c.seq.output_token_ids),
+                token_ids=shown(c.seq.token_ids, c.seq.num_prompt_tokens),
                 cumulative_logprob=c.cumulative_logprob if request.params.logprobs is not None else None,
-                logprobs=c.logprobs,
+                logprobs=shown(c.logprobs),
                 finish_reason=c.seq.finish_reason,
                 stop_reason=c.seq.stop_reason,
             )
@@ -118,14 +142,30 @@ class OutputProcessor:
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             outputs=completions,
-            finished=request.finished if finished is None else finished,
-            num_cached_tokens=request.completions[0].seq.num_cached_tokens,
-            prompt_logprobs=request.prompt_logprobs,
+            finished=finished,
+            num_cached_tokens=request.completions[0].seq.num_cached_tokens if request.completions else 0,
+            prompt_logprobs=shown(request.prompt_logprobs),
             speculative=self._speculative_usage(request) if self.speculative else None,
         )
 
+    def beam_output(self, request: Request, best: list[Hypothesis]) -> RequestOutput:
+        """A finished beam search's one output: its best hypotheses, best first."""
+        completions = [
+            CompletionOutput(
+                i,
+                self.tokenizer.decode(h.token_ids, skip_special_tokens=True),
+                h.token_ids,
+                h.logprob,
+                None,
+                "stop" if h.ended_by_eos else "length",
+                None,
+            )
+            for i, h in enumerate(best)
+        ]
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished=True)
+
     @staticmethod
-    def _speculative_usage(request: RequestState) -> SpeculativeUsage:
+    def _speculative_usage(request: Request) -> SpeculativeUsage:
         usage = SpeculativeUsage()
         for c in request.completions:
             usage.add(SpeculativeUsage(c.seq.num_drafts, c.seq.num_draft_tokens, c.seq.num_accepted_tokens))

@@ -9,6 +9,7 @@ generated tokens kept (the prefix cache often gives most of them back).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenloop.engine.block_manager import BlockManager
@@ -35,6 +36,7 @@ class Scheduler:
         # Out of the batches, blocks kept, until resumed (their reader fell behind); never preempted.
         self.paused: list[Sequence] = []
         self.num_preemptions = 0
+        self.on_finish: list[Callable[[Sequence], None]] = []  # told of every sequence that ends (a proposer's state)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -89,6 +91,28 @@ class Scheduler:
         batch.block_copies = self.block_manager.take_copies()
         return batch
 
+    def update_from_output(self, batch: ScheduledBatch, num_sampled: list[int | None]) -> None:
+        """After a step: each sequence's computed tokens step on (a verified draft's rejected tokens are rolled
+        back: their K/V slots abandoned, the blocks past its tokens freed), its full blocks are registered in the
+        prefix cache (so that only computed, accepted tokens ever reach it), and a sequence that finished leaves,
+        its blocks freed unless it keeps them for forks.
+
+        num_sampled[i]: the tokens batch.seqs[i] sampled (a verified draft's accepted ones and one more; 0 for a
+        prefill chunk), or None when its request failed: nothing of that step counts (its K/V may be wrong)."""
+        for seq, n, got in zip(batch.seqs, batch.num_new_tokens, num_sampled):
+            draft, seq.draft = seq.draft, None
+            if got is None:
+                continue
+            if draft is not None:
+                rejected = len(draft) + 1 - got
+                seq.num_computed_tokens = min(seq.num_computed_tokens + n - rejected, seq.num_tokens - 1)
+                self.block_manager.trim(seq)
+            else:
+                seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+            if seq.finish_reason is not None:
+                self.finish(seq, free=not seq.keep_blocks)
+
     def fork(self, parent: Sequence, child: Sequence, num_computed_tokens: int) -> None:
         """Start `child` (its tokens a prefix of the parent's, or the parent's) on its parent's blocks: it runs at
         once, from `num_computed_tokens` on, and shares every block until one of them writes into a shared one."""
@@ -137,7 +161,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, free: bool = True) -> None:
-        """Out of the queues; its blocks freed, unless `free` is False (kept for forks: the engine frees them)."""
+        """Out of the queues; its blocks freed, unless `free` is False (kept for forks: release() frees them)."""
         seq.status = SequenceStatus.FINISHED
         for queue in (self.running, self.waiting, self.paused):
             if seq in queue:
@@ -145,3 +169,10 @@ class Scheduler:
                 break
         if free:
             self.block_manager.free(seq)
+        for listener in self.on_finish:
+            listener(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """Free the blocks a finished sequence kept for forks."""
+        seq.keep_blocks = False
+        self.block_manager.free(seq)

@@ -49,6 +49,13 @@ class Sequence:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_rejections: int = 0  # drafts that had a token rejected (the others were accepted whole)
+    # Once finished, its KV blocks stay: forks are still to be taken from them (a retained request's sequence, or
+    # the first completion of n until the others have forked off it).
+    keep_blocks: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.seq_id.rpartition("/")[0]
 
     @property
     def num_tokens(self) -> int:

@@ -6,7 +6,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from tokenloop.engine.llm_engine import LLMEngine, Prompt
+from tokenloop.engine.input_processor import Prompt
+from tokenloop.engine.llm_engine import LLMEngine
 from tokenloop.sampling.params import SamplingParams
 
 

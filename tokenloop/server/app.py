@@ -87,7 +87,8 @@ def build_app(
     max_body_mb: float = DEFAULT_MAX_BODY_MB,
 ) -> FastAPI:
     app = FastAPI(title="tokenloop", docs_url=None, redoc_url=None)
-    max_model_len = engine.engine.max_model_len
+    inputs = engine.inputs  # prompts are processed on the engine's input threads (engine.input_threads)
+    max_model_len = inputs.max_model_len
     install_error_handlers(app)
     if api_key is not None:
         app.add_middleware(_RequireAPIKey, api_key=api_key)
@@ -101,7 +102,7 @@ def build_app(
         "max_completion_tokens": context,
     }
     app.openapi = lambda: _openapi(
-        app, {name: bound for name, (bound, _) in bounds.items()}, max_model_len, engine.engine.model_config.vocab_size
+        app, {name: bound for name, (bound, _) in bounds.items()}, max_model_len, inputs.vocab_size
     )
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health, "description": "stalled or draining"}})
@@ -145,13 +146,12 @@ def build_app(
         if getattr(body, "best_of", None) is not None and body.best_of < body.n:
             raise APIError(400, f"best_of must be at least n ({body.n}), got {body.best_of}", "best_of")
 
-    def start_streams(
+    async def start_streams(
         prompts: list, params: SamplingParams | BeamSearchParams, body: CompletionRequest | ChatCompletionRequest
     ) -> list[AsyncIterator[RequestOutput]]:
-        """Validate every prompt before starting any, so that a bad one leaves nothing running."""
-        engine.admit(len(prompts))  # 503 while draining, 429 when too many wait
-        try:
-            tokenized = [engine.engine.process_prompt(p, params) for p in prompts]
+        """Process every prompt before starting any, so that a bad one leaves nothing running."""
+        try:  # 503 while draining, 429 when too many wait
+            processed = await engine.admit_and_process(prompts, params)
         except ValueError as e:
             message = str(e)
             if (
@@ -159,7 +159,7 @@ def build_app(
             ):  # the schema the client sent
                 message = message.replace("structured_outputs.json", "response_format.json_schema.schema", 1)
             raise APIError(400, message, param_of(message) or "prompt") from None
-        return [engine.generate(t, params) for t in tokenized]
+        return [engine.generate(p) for p in processed]
 
     @app.post("/v1/completions", responses=_GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -179,7 +179,7 @@ def build_app(
             if len(body.prompts()) != 1:
                 raise APIError(400, "self_consistency takes one prompt", "prompt")
             params = vote.params(params, body.n)
-        streams = start_streams(body.prompts(), params, body)
+        streams = await start_streams(body.prompts(), params, body)
         if vote is not None:
             return await _voted(
                 request,
@@ -199,7 +199,7 @@ def build_app(
             streams = [_best_of(s, body.n) for s in streams]
         meta = meta_of("cmpl", "text_completion")
 
-        tokenizer = engine.engine.tokenizer
+        tokenizer = inputs.tokenizer
 
         def echoed(out: RequestOutput) -> tuple[str, dict | None]:
             """What echo puts before the completion: the prompt's text (token-id prompts have none of their
@@ -244,10 +244,15 @@ def build_app(
         params = _params(lambda: body.sampling_params(body.effective_max_tokens(), body.effective_logprobs()))
         tools = _params(body.tool_calling)
         if tools is not None:
-            _params(lambda: tools.check(engine.engine.grammars()))
+            try:
+                await engine.input_threads.run(lambda: tools.check(inputs.grammars()))
+            except ValueError as e:
+                raise APIError(400, str(e), param_of(str(e))) from None
         try:
             messages = [m.as_template_message() for m in body.messages]
-            prompt = engine.engine.chat_prompt(messages, body.add_generation_prompt, tools, body.continue_final_message)
+            prompt = await engine.input_threads.run(
+                inputs.chat, messages, body.add_generation_prompt, tools, body.continue_final_message
+            )
         except ValueError as e:
             raise APIError(
                 400, str(e), "continue_final_message" if str(e).startswith("continue_final_message") else "messages"
@@ -255,7 +260,7 @@ def build_app(
         vote = _params(body.answer_spec)
         if vote is not None:
             params = vote.params(params, body.n)
-        streams = start_streams([prompt], params, body)
+        streams = await start_streams([prompt], params, body)
         meta = meta_of("chatcmpl", "chat.completion")
         if vote is not None:
             return await _voted(

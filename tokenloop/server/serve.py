@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import uvicorn
 
 from tokenloop.engine.async_engine import AsyncEngine, AsyncEngineConfig
-from tokenloop.engine.llm_engine import EngineConfig
+from tokenloop.engine.config import EngineConfig
 from tokenloop.server.app import DEFAULT_MAX_N, build_app
 from tokenloop.server.body_limit import DEFAULT_MAX_BODY_MB
 

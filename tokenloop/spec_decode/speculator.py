@@ -9,6 +9,7 @@ with the machine's speed, and a seeded request's tokens must not.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from tokenloop.engine.block_manager import BlockManager
@@ -20,6 +21,7 @@ from tokenloop.spec_decode.proposer import Draft, Proposer
 
 PRIOR_WEIGHT = 1.0  # a request's acceptance rate starts from the proposer's mean as if seen over this many drafts
 INITIAL_ACCEPTANCE = 0.5  # the proposer's mean before any draft was verified
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -116,28 +118,39 @@ class Speculator:
                 return Draft(draft.token_ids[: i + 1], None if draft.probs is None else draft.probs[: i + 1])
         return draft
 
-    def record(self, seq: Sequence, num_new_tokens: int) -> int:
-        """After the step: `seq` verified its draft and got num_new_tokens (its accepted draft tokens and one
-        more). Clears the draft; returns how many draft tokens were rejected (their K/V slots are abandoned)."""
-        d, accepted = len(seq.draft), num_new_tokens - 1
-        seq.draft = None
-        seq.num_drafts += 1
-        seq.num_draft_tokens += d
-        seq.num_accepted_tokens += accepted
-        seq.num_rejections += accepted < d
-        stats = self.stats
-        stats.num_drafts += 1
-        stats.num_draft_tokens += d
-        stats.num_accepted_tokens += accepted
-        for i in range(accepted):
-            stats.accepted_per_position[i] += 1
-        self._accepted = 0.99 * self._accepted + accepted
-        self._trials = 0.99 * self._trials + accepted + (accepted < d)
-        return d - accepted
+    def propose(self, batch: ScheduledBatch, block_manager: BlockManager, max_num_batched_tokens: int) -> None:
+        """plan(), or, should the proposer fail, no drafts: the step runs without them."""
+        planned = list(batch.num_new_tokens)
+        try:
+            self.plan(batch, block_manager, max_num_batched_tokens)
+        except Exception:
+            logger.exception("proposing draft tokens failed: this step runs without them")
+            for seq in batch.seqs:
+                seq.draft = None
+            batch.num_new_tokens[:] = planned
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """A decode or verify step of the target took `seconds` for `num_tokens` query tokens."""
-        self.costs.observe(num_tokens, seconds)
+    def record(self, batch: ScheduledBatch, num_sampled: list[int | None], decode: tuple[int, float] | None) -> None:
+        """After the step, before the scheduler rolls back the rejected tokens: count what each verified draft
+        got accepted (num_sampled[i]: its accepted tokens and one more; None, failed), and, for a decode-only step
+        (query tokens, seconds), its cost."""
+        for seq, got in zip(batch.seqs, num_sampled):
+            if seq.draft is None or got is None:
+                continue
+            d, accepted = len(seq.draft), got - 1
+            seq.num_drafts += 1
+            seq.num_draft_tokens += d
+            seq.num_accepted_tokens += accepted
+            seq.num_rejections += accepted < d
+            stats = self.stats
+            stats.num_drafts += 1
+            stats.num_draft_tokens += d
+            stats.num_accepted_tokens += accepted
+            for i in range(accepted):
+                stats.accepted_per_position[i] += 1
+            self._accepted = 0.99 * self._accepted + accepted
+            self._trials = 0.99 * self._trials + accepted + (accepted < d)
+        if decode is not None:
+            self.costs.observe(*decode)
 
     def release(self, seq: Sequence) -> None:
         seq.draft = None

@@ -6,6 +6,7 @@ Built from a GGUF file's metadata or from a Hugging Face folder; either way a Ru
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,15 @@ import tokenizers
 from tokenloop.tokenizer.builtin_templates import gguf_chat_template
 from tokenloop.tokenizer.chat_template import render_chat_template
 from tokenloop.tokenizer.gguf_tokenizer import build_gguf_tokenizer, gguf_end_of_generation_ids
+
+# One text at a time gains nothing from the Rust pool, and a process that forks after using it warns on stderr.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class TooManyTokens(ValueError):
+    def __init__(self, num_tokens: int) -> None:
+        super().__init__(f"the text has {num_tokens} tokens")
+        self.num_tokens = num_tokens
 
 
 @dataclass(slots=True)
@@ -31,6 +41,7 @@ class Tokenizer:
     bos_token: str | None = field(init=False)
     eos_token: str | None = field(init=False)
     add_bos_token: bool = field(init=False)  # whether encode(add_special_tokens=True) prepends BOS
+    _max_token_bytes: int | None = field(default=None, init=False, repr=False)  # 0: no bound (min_tokens)
 
     def __post_init__(self) -> None:
         self.bos_token = None if self.bos_token_id is None else self.backend.id_to_token(self.bos_token_id)
@@ -70,9 +81,33 @@ class Tokenizer:
             eos_token_ids=[] if extra_eos is None else extra_eos if isinstance(extra_eos, list) else [extra_eos],
         )
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Special and added tokens written in the text (e.g. "<|im_start|>") become their own ids."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, limit: int | None = None) -> list[int]:
+        """Special and added tokens written in the text (e.g. "<|im_start|>") become their own ids.
+
+        Tokenizing runs without the GIL (the batch call releases it; the single one does not), so a long text
+        stalls no other thread; with `limit`, a text of more tokens raises TooManyTokens before its ids become
+        a Python list (which would hold the GIL again, for a million ints)."""
+        encoding = self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
+        if limit is not None and len(encoding) > limit:
+            raise TooManyTokens(len(encoding))
+        return encoding.ids
+
+    def min_tokens(self, text: str) -> int:
+        """At least how many tokens `text` makes, known without tokenizing it: no token stands for more bytes of
+        text than it decodes to (plus one: a decoder may strip a leading space), as long as the normalizer only
+        lengthens text (none, or replacements by longer strings); else 0."""
+        if self._max_token_bytes is None:
+            normalizer = json.loads(self.backend.to_str()).get("normalizer")
+            steps = [] if normalizer is None else normalizer.get("normalizers", [normalizer])
+            lengthens = all(
+                step["type"] == "Prepend"
+                or (step["type"] == "Replace" and len(step["content"]) >= len(next(iter(step["pattern"].values()))))
+                for step in steps
+            )
+            size = self.backend.get_vocab_size(with_added_tokens=True)
+            longest = max(len(self.backend.decode([i], skip_special_tokens=False).encode()) for i in range(size))
+            self._max_token_bytes = longest + 1 if lengthens else 0
+        return -(-len(text.encode()) // self._max_token_bytes) if self._max_token_bytes else 0
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
