@@ -1,5 +1,6 @@
 """Session-wide fixtures: the default model (pulled into the model store once), its transformers reference,
-and a tiny random Llama with a tiny tokenizer saved as a Hugging Face folder for fast tests."""
+and a tiny random Llama with a tiny tokenizer saved as a Hugging Face folder for fast tests; the factories of test
+engines (make_llm, make_async_engine), which leave nothing behind."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ os.environ["TOKENLOOP_COMPILE"] = "0"
 import pytest
 import torch
 
-from tests.helpers import write_tiny_tokenizer
+from tests.helpers import build_async_engine, build_llm, write_tiny_tokenizer
 
 # A test that uses one of these needs a known GGUF model (pulled into the model store on first use): it is marked
 # real_model, and runs in the slow tier.
@@ -24,6 +25,44 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.real_model)
+
+
+@pytest.fixture
+def make_llm():
+    """make_llm(model, kv_blocks=None, **engine_args) -> LLM: a test engine (tests.helpers.build_llm: on the CPU,
+    float32, a small KV pool, one thread, unless engine_args say otherwise; kv_blocks=N: a pool of N blocks;
+    speculative_config=...: drafts). After the test, every KV block of every engine it made, and of their draft
+    models, is free again, and the engines are let go."""
+    made = []
+
+    def make(model, kv_blocks: int | None = None, **engine_args):
+        made.append(build_llm(model, kv_blocks, **engine_args))
+        return made[-1]
+
+    yield make
+    for llm in made:
+        engine = llm.llm_engine
+        pools = [("the engine", engine.block_manager)]
+        if engine.speculator is not None and hasattr(engine.speculator.proposer, "block_manager"):
+            pools.append(("its draft model", engine.speculator.proposer.block_manager))
+        for name, pool in pools:
+            assert not [b.block_id for b in pool.blocks if b.ref_count], f"{name} of {engine.config.model} held blocks"
+    made.clear()
+
+
+@pytest.fixture
+def make_async_engine():
+    """make_async_engine(model, limits: AsyncEngineConfig | None = None, **engine_args) -> AsyncEngine: make_llm's
+    test engine (the same arguments) behind an AsyncEngine, its step loop in a thread; shut down after the test."""
+    made = []
+
+    def make(model, limits=None, **engine_args):
+        made.append(build_async_engine(model, limits, **engine_args))
+        return made[-1]
+
+    yield make
+    for engine in made:
+        engine.shutdown()
 
 
 @pytest.fixture(scope="session")

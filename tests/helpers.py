@@ -1,20 +1,72 @@
-"""Test helpers: run a loaded model over a token sequence in chunks through the real KV cache path."""
+"""Test helpers: the test engines' arguments and the engines built from them; a loaded model run over a token
+sequence in chunks through the real KV cache path; the tiny tokenizer and models; transformers' references."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from tokenloop import LLM
+from tokenloop.engine.async_engine import AsyncEngine, AsyncEngineConfig
 from tokenloop.engine.block_manager import BlockManager
-from tokenloop.engine.model_runner import ModelRunner
+from tokenloop.engine.llm_engine import EngineConfig
+from tokenloop.engine.model_runner import ModelRunner, kv_bytes_per_block
 from tokenloop.engine.scheduler import ScheduledBatch
 from tokenloop.engine.sequence import Sequence
+from tokenloop.models import store
+from tokenloop.models.config import ModelConfig
+from tokenloop.models.gguf_loader import config_from_gguf
+from tokenloop.models.gguf_metadata import open_gguf, read_metadata
+from tokenloop.models.hf_loader import config_from_folder
 from tokenloop.models.loader import LoadedModel
 from tokenloop.sampling.params import SamplingParams
+
+# A test engine: on the CPU, the exact float32 path, a small KV pool, one thread (the same floats whatever else the
+# machine runs, and no core taken from a neighbour), unless a test says otherwise.
+TEST_ENGINE = {"dtype": "float32", "device": "cpu", "kv_cache_gb": 0.01, "threads": 1}
+
+
+def model_config(model: str | os.PathLike | None) -> ModelConfig:
+    """A model's config (a known name, a .gguf file or a Hugging Face folder), read without its weights."""
+    path = store.resolve(model)
+    if path.is_dir():
+        return config_from_folder(path)
+    reader = open_gguf(path)
+    return config_from_gguf(read_metadata(reader), {t.name for t in reader.tensors})
+
+
+def engine_args_for(model: str | os.PathLike | None, kv_blocks: int | None = None, **engine_args) -> dict[str, Any]:
+    """EngineConfig's fields (but the model) for a test engine: TEST_ENGINE, overridden by `engine_args` (any field,
+    speculative_config included). `kv_blocks`: a pool of that many KV blocks of this model, in place of kv_cache_gb
+    (too small for a batch: its sequences are preempted and recomputed)."""
+    args = TEST_ENGINE | engine_args
+    if kv_blocks is not None:
+        if "kv_cache_gb" in engine_args:
+            raise TypeError("kv_blocks or kv_cache_gb, not both")
+        config = EngineConfig(model=None if model is None else os.fspath(model), **args)
+        block_bytes = kv_bytes_per_block(model_config(model), config.block_size, config.kv_cache_dtype)
+        args["kv_cache_gb"] = (kv_blocks + 0.5) * block_bytes / 2**30
+    return args
+
+
+def build_llm(model: str | os.PathLike | None, kv_blocks: int | None = None, **engine_args) -> LLM:
+    """A test engine (engine_args_for); the make_llm fixture builds its engines with this, and so may a module-scoped
+    fixture or a child process."""
+    return LLM(model, **engine_args_for(model, kv_blocks, **engine_args))
+
+
+def build_async_engine(
+    model: str | os.PathLike, limits: AsyncEngineConfig | None = None, kv_blocks: int | None = None, **engine_args
+) -> AsyncEngine:
+    """The same test engine behind an AsyncEngine (its step loop in a thread), with `limits` on its readers."""
+    config = EngineConfig(model=os.fspath(model), **engine_args_for(model, kv_blocks, **engine_args))
+    return AsyncEngine(config, config=limits)
 
 
 def transformers_from_gguf(path: Path):
@@ -151,3 +203,30 @@ def reference_greedy(model, prompt_ids: list[int], steps: int) -> tuple[list[int
             logprobs.append(lp)
             ids = torch.tensor([[token]])
     return tokens, logprobs
+
+
+def through_eos(ids: list[int], eos: set[int]) -> list[int]:
+    """transformers pads a beam that ended: its tokens up to and with the EOS."""
+    out = []
+    for t in ids:
+        out.append(t)
+        if t in eos:
+            break
+    return out
+
+
+def hf_beams(model, prompt_ids: list[int], eos: list[int], width: int, new_tokens: int, **kw) -> list[list[int]]:
+    """transformers' generate(num_beams=width): its `width` beams, best first, each through its EOS."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            num_beams=width,
+            num_return_sequences=width,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos[0],
+            **kw,
+        )
+    return [through_eos(row[len(prompt_ids) :].tolist(), set(eos)) for row in out]

@@ -1,5 +1,7 @@
 """The serving benchmark client against a tiny OpenAI-style streaming server that sends known chunks at known
-times (a test double for the client, on its own event loop in a thread as a real server would be)."""
+times (a test double for the client, on its own event loop in a thread as a real server would be). Where a test
+checks the client's figures, the clock the client reads is a virtual one that only the server's delays move: every
+figure is exact, however busy the machine."""
 
 from __future__ import annotations
 
@@ -13,11 +15,13 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 
 pytest.importorskip("httpx")
 
+from tokenloop.bench import serve as serve_module  # noqa: E402
 from tokenloop.bench.common import DEFAULT_PROMPT  # noqa: E402
 from tokenloop.bench.serve import (  # noqa: E402
     RequestRecord,
@@ -28,6 +32,25 @@ from tokenloop.bench.serve import (  # noqa: E402
     run_serve_bench,
 )
 from tokenloop.bench.serve_peers import add_arguments, main_from_args  # noqa: E402
+
+
+class VirtualClock:
+    """time.perf_counter for tokenloop.bench.serve, moved only by the fake server's delays. The server sends a text
+    chunk only once the client has read the clock for the one before (lockstep, for one request at a time), so each
+    reading the client takes is exactly the time the server says."""
+
+    def __init__(self) -> None:
+        self.now, self.readings = 1000.0, 0
+
+    def perf_counter(self) -> float:
+        self.readings += 1
+        return self.now
+
+    async def until_read(self, seen: int) -> None:
+        deadline = time.monotonic() + 60  # a guard against a client that never reads: no figure depends on it
+        while self.readings <= seen:
+            assert time.monotonic() < deadline, "the client never timed the chunk"
+            await asyncio.sleep(0.001)
 
 
 @dataclass(slots=True)
@@ -42,6 +65,8 @@ class FakeBehaviour:
     headers: list[dict[str, str]] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
+    text_chunks_sent: int = 0
+    clock: VirtualClock | None = None  # None: real delays (asyncio.sleep)
 
 
 def _event(payload: dict | str) -> bytes:
@@ -60,11 +85,20 @@ async def _stream(writer: asyncio.StreamWriter, b: FakeBehaviour, body: dict) ->
         writer.write(_event({"choices": [{"index": 0, "delta": {"role": "assistant"}}]}))
     writer.write(_chunked(b": keep-alive\n\n"))
     await writer.drain()
+    seen = 0
     for i in range(b.text_chunks):
-        await asyncio.sleep(b.first_delay_s if i == 0 else b.gap_s)
+        delay = b.first_delay_s if i == 0 else b.gap_s
+        if b.clock is None:
+            await asyncio.sleep(delay)
+        else:
+            if i:
+                await b.clock.until_read(seen)  # the client has timed the chunk before this one
+            b.clock.now += delay
+            seen = b.clock.readings
         choice = {"index": 0, "delta": {"content": f"t{i} "}} if chat else {"index": 0, "text": f"t{i} "}
         writer.write(_event({"choices": [choice]}))
         await writer.drain()
+        b.text_chunks_sent += 1
     if b.send_usage and body.get("stream_options", {}).get("include_usage"):
         usage = {"prompt_tokens": 7, "completion_tokens": b.text_chunks * b.tokens_per_chunk}
         writer.write(_event({"choices": [], "usage": usage}))
@@ -135,17 +169,21 @@ def _bench(base_url: str, **kwargs) -> ServeBenchResult:
     return asyncio.run(run_serve_bench(ServeBenchConfig(base_url=base_url, model="m", **kwargs)))
 
 
-def test_completions_timings_and_usage_tokens():
-    fake = FakeBehaviour(text_chunks=5, first_delay_s=0.2, gap_s=0.05)
+def test_completions_timings_and_usage_tokens(monkeypatch):
+    """The first text chunk 0.2 s after the request (a keep-alive before it), four more 0.05 s apart, on the virtual
+    clock: the time to the first text chunk, the four gaps and the whole stream are exactly those, request by
+    request; the token count is the server's usage, not the chunks'."""
+    clock = VirtualClock()
+    monkeypatch.setattr(serve_module, "time", SimpleNamespace(perf_counter=clock.perf_counter))
+    fake = FakeBehaviour(text_chunks=5, first_delay_s=0.2, gap_s=0.05, clock=clock)
     with fake_openai_server(fake) as url:
-        result = _bench(url, num_requests=4, concurrency=4, max_tokens=10)
+        result = _bench(url, num_requests=4, concurrency=1, max_tokens=10)
     assert result.num_failed == 0 and len(result.completed) == 4
     for r in result.records:
-        assert 0.2 <= r.ttft_s < 0.5
-        # A late chunk shortens the next gap as seen by the client, so bound the gaps together.
-        assert len(r.itl_s) == 4 and 0.18 <= sum(r.itl_s) < 0.6 and all(0 < gap < 0.2 for gap in r.itl_s)
-        assert r.e2e_s >= r.ttft_s + sum(r.itl_s) - 1e-6
+        assert r.ttft_s == pytest.approx(0.2) and r.itl_s == pytest.approx([0.05] * 4)
+        assert r.e2e_s == pytest.approx(r.ttft_s + sum(r.itl_s)) == pytest.approx(0.4)
         assert r.status == 200 and r.usage_reported and r.output_tokens == 10  # usage, not the 5 chunks
+    assert result.wall_s == pytest.approx(4 * 0.4)  # one request at a time
     assert result.output_tokens == 40
     assert result.output_tokens_per_s == pytest.approx(40 / result.wall_s)
     assert result.requests_per_s == pytest.approx(4 / result.wall_s)
@@ -199,11 +237,12 @@ def test_unreachable_server_is_recorded_not_raised():
 
 
 def test_time_budget_bounds_the_run():
-    fake = FakeBehaviour(first_delay_s=5.0)
+    """A server a minute from its first chunk, a budget of 0.3 s: the run ends at its budget, not at the server's
+    pace: before the server sent anything."""
+    fake = FakeBehaviour(first_delay_s=60.0)
     with fake_openai_server(fake) as url:
-        start = time.perf_counter()
         result = _bench(url, num_requests=3, concurrency=1, timeout_s=0.3)
-        assert time.perf_counter() - start < 2
+        assert fake.text_chunks_sent == 0
     assert result.num_failed == 3
     assert all("time budget" in r.error for r in result.records)
 

@@ -9,35 +9,10 @@ import itertools
 import pytest
 import torch
 
+from tests.helpers import hf_beams
 from tokenloop import BeamSearchParams, SamplingParams
 
 PROMPTS = ["Hello world", "I'm sure they'll say", "The quick brown fox", "def main():"]
-
-
-def through_eos(ids: list[int], eos: set[int]) -> list[int]:
-    """transformers pads a beam that ended: its tokens up to and with the EOS."""
-    out = []
-    for t in ids:
-        out.append(t)
-        if t in eos:
-            break
-    return out
-
-
-def hf_beams(model, prompt_ids: list[int], eos: list[int], width: int, new_tokens: int, **kw) -> list[list[int]]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            num_beams=width,
-            num_return_sequences=width,
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            eos_token_id=eos,
-            pad_token_id=eos[0],
-            **kw,
-        )
-    return [through_eos(row[len(prompt_ids) :].tolist(), set(eos)) for row in out]
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import pytest
 
+from tests.helpers import build_llm
 from tokenloop import LLM, BeamSearchParams, SamplingParams
 from tokenloop.engine.input_processor import Prompt
 from tokenloop.outputs import Logprob, RequestOutput
@@ -63,20 +64,6 @@ FORKED: list[Request] = [
     (PROMPTS[1], BeamSearchParams(beam_width=4, max_tokens=12)),
     (PROMPTS[5], BeamSearchParams(beam_width=4, max_tokens=12, ignore_eos=True)),
 ]
-
-
-def make(model: str | os.PathLike | None, kv_blocks: int | None = None, **engine_args) -> LLM:
-    """An engine on the CPU with a small KV pool and one thread, float32 unless `dtype` says otherwise;
-    `kv_blocks`: a pool of that many blocks (too small for a batch: its sequences are preempted, recomputed)."""
-    from tokenloop.engine.model_runner import kv_bytes_per_block
-
-    args = {"dtype": "float32", "device": "cpu", "kv_cache_gb": 0.01, "threads": 1} | engine_args
-    llm = LLM(model, **args)
-    if kv_blocks is None:
-        return llm
-    engine = llm.llm_engine
-    block_bytes = kv_bytes_per_block(engine.model_config, engine.config.block_size, engine.config.kv_cache_dtype)
-    return LLM(model, **(args | {"kv_cache_gb": (kv_blocks + 0.5) * block_bytes / 2**30}))
 
 
 def completions(out: RequestOutput) -> list[Completion]:
@@ -162,7 +149,7 @@ def case(request) -> Case:
 @pytest.fixture(scope="module")
 def alone_llm(case) -> LLM:
     """The reference engine: nothing shared between requests (no prefix cache), prompts in one chunk."""
-    return make(case.path, dtype=case.dtype, enable_prefix_caching=False)
+    return build_llm(case.path, dtype=case.dtype, enable_prefix_caching=False)
 
 
 @pytest.fixture(scope="module")
@@ -207,23 +194,25 @@ def mixed(
     )
 
 
-def test_a_request_in_a_batch_of_64_arriving_and_finishing_around_it_gets_its_tokens_and_logprobs_alone(case, alone):
-    llm = make(case.path, dtype=case.dtype, kv_cache_gb=0.03)
+def test_a_request_in_a_batch_of_64_arriving_and_finishing_around_it_gets_its_tokens_and_logprobs_alone(
+    make_llm, case, alone
+):
+    llm = make_llm(case.path, dtype=case.dtype, kv_cache_gb=0.03)
     batch, arrivals, where = mixed(REQUESTS, fillers(64 - len(REQUESTS), seed=1), seed=2, latest=20)
     got = run(llm, batch, arrivals)
     assert_same([got[i] for i in where], alone)
     assert llm.llm_engine.scheduler.num_preemptions == 0  # preemption is a case of its own
 
 
-def test_prefix_caching_off_changes_no_token_or_logprob(case, alone):
-    llm = make(case.path, dtype=case.dtype, enable_prefix_caching=False)
+def test_prefix_caching_off_changes_no_token_or_logprob(make_llm, case, alone):
+    llm = make_llm(case.path, dtype=case.dtype, enable_prefix_caching=False)
     assert_same(run(llm, REQUESTS), alone)
 
 
-def test_prefix_cache_hits_warm_change_no_token_or_logprob(case, alone):
+def test_prefix_cache_hits_warm_change_no_token_or_logprob(make_llm, case, alone):
     """The batch fills the cache (the later requests of a step may hit the earlier ones' shared prefix), then each
     request again, its whole prompt but the last token from the cache."""
-    llm = make(case.path, dtype=case.dtype)
+    llm = make_llm(case.path, dtype=case.dtype)
     assert_same(run(llm, REQUESTS), alone)
     cold_hits = llm.llm_engine.block_manager.prefix_hit_tokens
     assert_same([run(llm, [r])[0] for r in REQUESTS], alone)
@@ -231,13 +220,13 @@ def test_prefix_cache_hits_warm_change_no_token_or_logprob(case, alone):
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64])
-def test_prefill_chunks_change_no_token_or_logprob(case, alone, chunk):
-    llm = make(case.path, dtype=case.dtype, max_num_batched_tokens=chunk)
+def test_prefill_chunks_change_no_token_or_logprob(make_llm, case, alone, chunk):
+    llm = make_llm(case.path, dtype=case.dtype, max_num_batched_tokens=chunk)
     assert_same(run(llm, REQUESTS), alone)
 
 
-def test_preemption_changes_no_token_or_logprob(case, alone):
-    llm = make(case.path, dtype=case.dtype, kv_blocks=10)
+def test_preemption_changes_no_token_or_logprob(make_llm, case, alone):
+    llm = make_llm(case.path, dtype=case.dtype, kv_blocks=10)
     assert_same(run(llm, REQUESTS), alone)
     assert llm.llm_engine.scheduler.num_preemptions > 0
 
@@ -246,11 +235,11 @@ def test_preemption_changes_no_token_or_logprob(case, alone):
     "engine_args", [{}, {"max_num_batched_tokens": 7}, {"kv_blocks": 12}], ids=["batch", "chunked", "preempted"]
 )
 def test_forked_completions_and_beams_in_a_batch_get_their_tokens_and_logprobs_alone(
-    case, alone_llm, alone, engine_args
+    make_llm, case, alone_llm, alone, engine_args
 ):
     """n = 4 completions and beams share their prompt's blocks (copy on write), beside the other requests."""
     expected = [run(alone_llm, [r])[0] for r in FORKED]
-    llm = make(case.path, dtype=case.dtype, **engine_args)
+    llm = make_llm(case.path, dtype=case.dtype, **engine_args)
     batch, arrivals, where = mixed(FORKED + REQUESTS, [], seed=3, latest=6)
     got = run(llm, batch, arrivals)
     assert_same([got[i] for i in where], expected + alone)
@@ -261,8 +250,8 @@ def test_forked_completions_and_beams_in_a_batch_get_their_tokens_and_logprobs_a
 
 @pytest.mark.slow  # a first run builds each package (20 to 60 s on 2 cores); later ones load it from the cache
 @pytest.mark.parametrize("case", [("llama", "auto"), ("kquant", "auto")], ids=case_id, indirect=True)
-def test_the_compiled_decode_step_gives_eagers_tokens_and_logprobs_alone_and_in_a_batch(case, alone):
-    llm = make(case.path, dtype=case.dtype, enable_prefix_caching=False, compile=True, compile_in_background=False)
+def test_the_compiled_decode_step_gives_eagers_tokens_and_logprobs_alone_and_in_a_batch(make_llm, case, alone):
+    llm = make_llm(case.path, dtype=case.dtype, enable_prefix_caching=False, compile=True, compile_in_background=False)
     assert llm.llm_engine.runner.forward.compiled is not None
     assert_same([run(llm, [r])[0] for r in REQUESTS], alone)
     assert_same(run(llm, REQUESTS), alone)
@@ -271,9 +260,10 @@ def test_the_compiled_decode_step_gives_eagers_tokens_and_logprobs_alone_and_in_
 ROOT = Path(__file__).resolve().parents[2]
 OTHER_PROCESS = """
 import dataclasses, json, sys
-from tests.engine.test_differential import REQUESTS, make, run
+from tests.engine.test_differential import REQUESTS, run
+from tests.helpers import build_llm
 cases = json.loads(sys.argv[1])
-results = {name: run(make(path, dtype=dtype, threads=1), REQUESTS) for name, (path, dtype) in cases.items()}
+results = {name: run(build_llm(path, dtype=dtype, threads=1), REQUESTS) for name, (path, dtype) in cases.items()}
 print(json.dumps(results, default=dataclasses.astuple))
 """
 
@@ -297,10 +287,10 @@ def other_process(request) -> dict[str, list]:
 
 
 def test_another_process_with_another_hash_seed_and_thread_count_gives_the_same_tokens_and_logprobs(
-    case, other_process
+    make_llm, case, other_process
 ):
     """Here two threads and this process's hash seed; there one thread and PYTHONHASHSEED=1 (the same schedule)."""
-    got = run(make(case.path, dtype=case.dtype, threads=2), REQUESTS)
+    got = run(make_llm(case.path, dtype=case.dtype, threads=2), REQUESTS)
     assert json.loads(json.dumps(got, default=dataclasses.astuple)) == other_process[case.name]
 
 
@@ -341,7 +331,7 @@ def real_model(request) -> str | None:
 
 @pytest.fixture(scope="module")
 def real_llm(real_model) -> LLM:
-    return make(real_model, dtype="auto", device=None, kv_cache_gb=0.25, enable_prefix_caching=False)
+    return build_llm(real_model, dtype="auto", device=None, kv_cache_gb=0.25, enable_prefix_caching=False)
 
 
 @pytest.fixture(scope="module")
@@ -359,8 +349,8 @@ def test_a_real_models_request_in_a_batch_of_16_gets_its_tokens_and_logprobs_alo
 
 
 @pytest.mark.real_model
-def test_a_real_models_prefill_in_chunks_of_64_changes_no_token_or_logprob(real_model, real_alone):
-    llm = make(
+def test_a_real_models_prefill_in_chunks_of_64_changes_no_token_or_logprob(make_llm, real_model, real_alone):
+    llm = make_llm(
         real_model, dtype="auto", device=None, kv_cache_gb=0.25, enable_prefix_caching=False, max_num_batched_tokens=64
     )
     assert_same([run(llm, [r])[0] for r in REAL_REQUESTS], real_alone)
@@ -374,13 +364,13 @@ def reference(tiny_llm):
     return [o.outputs[0].token_ids for o in tiny_llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
 
 
-def test_prefix_caching_off_gives_the_same_tokens(tiny_model_folder, reference):
-    llm = make(tiny_model_folder, enable_prefix_caching=False)
+def test_prefix_caching_off_gives_the_same_tokens(make_llm, tiny_model_folder, reference):
+    llm = make_llm(tiny_model_folder, enable_prefix_caching=False)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] == reference
 
 
-def test_prefix_caching_on_with_shared_prefixes_gives_the_same_tokens(tiny_model_folder, reference):
-    llm = make(tiny_model_folder)
+def test_prefix_caching_on_with_shared_prefixes_gives_the_same_tokens(make_llm, tiny_model_folder, reference):
+    llm = make_llm(tiny_model_folder)
     for prompt, expected in zip(PROMPTS, reference):  # one by one, so later prompts hit the shared prefix
         out = llm.generate(prompt, PARAMS, use_tqdm=False)[0]
         assert out.outputs[0].token_ids == expected
@@ -388,19 +378,19 @@ def test_prefix_caching_on_with_shared_prefixes_gives_the_same_tokens(tiny_model
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64])
-def test_chunked_prefill_gives_the_same_tokens(tiny_model_folder, reference, chunk):
-    llm = make(tiny_model_folder, max_num_batched_tokens=chunk)
+def test_chunked_prefill_gives_the_same_tokens(make_llm, tiny_model_folder, reference, chunk):
+    llm = make_llm(tiny_model_folder, max_num_batched_tokens=chunk)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] == reference
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix cache", "no prefix cache"])
-def test_speculative_decoding_gives_the_same_tokens(tiny_model_folder, reference, method, prefix_caching):
+def test_speculative_decoding_gives_the_same_tokens(make_llm, tiny_model_folder, reference, method, prefix_caching):
     # Drafts every step (adaptive off); the draft model is the tiny model itself in bfloat16 (close, not equal).
     spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False} | (
         {"model": str(tiny_model_folder), "dtype": "bfloat16"} if method == "draft" else {}
     )
-    llm = make(tiny_model_folder, enable_prefix_caching=prefix_caching, speculative_config=spec)
+    llm = make_llm(tiny_model_folder, enable_prefix_caching=prefix_caching, speculative_config=spec)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] == reference
     assert llm.llm_engine.speculator.stats.num_accepted_tokens > 0
 
@@ -418,11 +408,11 @@ def test_a_request_alone_equals_it_inside_a_batch_of_32(tiny_llm):
     ids=["no prefix cache", "chunked", "default"],
 )
 def test_a_request_failing_beside_the_others_changes_none_of_their_tokens(
-    tiny_model_folder, tiny_llm, reference, engine_args
+    make_llm, tiny_model_folder, tiny_llm, reference, engine_args
 ):
     tokenizer = tiny_llm.get_tokenizer()
     marker = max(set(range(400)) - {t for p in PROMPTS for t in tokenizer.encode(p)})  # in no prompt but the victim's
-    llm = make(tiny_model_folder, inject_faults=(f"sample:{marker}",), **engine_args)
+    llm = make_llm(tiny_model_folder, inject_faults=(f"sample:{marker}",), **engine_args)
     engine = llm.llm_engine
     ids = [engine.add_request(p, PARAMS) for p in PROMPTS]
     victim = engine.add_request([5, marker, 6], PARAMS)
@@ -458,9 +448,9 @@ def penalized_reference(tiny_llm):
     ids=["no prefix cache", "chunked", "preempted"],
 )
 def test_logits_processors_give_the_same_tokens_whatever_the_scheduling(
-    tiny_model_folder, penalized_reference, engine_args
+    make_llm, tiny_model_folder, penalized_reference, engine_args
 ):
-    llm = make(tiny_model_folder, **engine_args)
+    llm = make_llm(tiny_model_folder, **engine_args)
     outs = llm.generate(PROMPTS, PENALIZED, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == penalized_reference
     if "kv_blocks" in engine_args:
@@ -483,14 +473,16 @@ def test_logits_processors_alone_equal_them_inside_a_batch_of_32_with_plain_rows
     [{"enable_prefix_caching": False}, {"max_num_batched_tokens": 7}, {}],
     ids=["no prefix cache", "chunked", "default"],
 )
-def test_structured_output_gives_the_same_tokens_whatever_the_scheduling(tiny_model_folder, tiny_llm, engine_args):
+def test_structured_output_gives_the_same_tokens_whatever_the_scheduling(
+    make_llm, tiny_model_folder, tiny_llm, engine_args
+):
     from tokenloop.sampling.structured import StructuredOutputsParams
 
     params = SamplingParams(
         temperature=0.9, seed=4, max_tokens=24, structured_outputs=StructuredOutputsParams(regex=r"[a-z]{4,12}\.")
     )
     expected = [o.outputs[0].token_ids for o in tiny_llm.generate(PROMPTS, params, use_tqdm=False)]
-    outs = make(tiny_model_folder, **engine_args).generate(PROMPTS, params, use_tqdm=False)
+    outs = make_llm(tiny_model_folder, **engine_args).generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert all(o.outputs[0].finish_reason == "stop" for o in outs)
 
@@ -527,9 +519,9 @@ def teacher_forced(tiny_model_folder, tiny_llm):
     ids=["no prefix cache", "chunked", "preempted", "prefix cache warm"],
 )
 def test_prompt_logprobs_are_the_teacher_forced_ones_whatever_the_scheduling(
-    tiny_model_folder, reference, teacher_forced, engine_args
+    make_llm, tiny_model_folder, reference, teacher_forced, engine_args
 ):
-    llm = make(tiny_model_folder, **engine_args)
+    llm = make_llm(tiny_model_folder, **engine_args)
     if not engine_args:  # every prompt already in the prefix cache: scoring must still compute each position
         llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     batch = (PROMPTS * 6)[:32] if not engine_args else PROMPTS
@@ -554,14 +546,16 @@ def test_prompt_logprobs_are_the_teacher_forced_ones_whatever_the_scheduling(
     [{"enable_prefix_caching": False}, {"max_num_batched_tokens": 7}, {"kv_blocks": 10}],
     ids=["no prefix cache", "chunked", "preempted"],
 )
-def test_forked_completions_and_beams_are_the_same_whatever_the_scheduling(tiny_model_folder, tiny_llm, engine_args):
+def test_forked_completions_and_beams_are_the_same_whatever_the_scheduling(
+    make_llm, tiny_model_folder, tiny_llm, engine_args
+):
     forked = SamplingParams(temperature=1.0, seed=5, max_tokens=16, ignore_eos=True, n=4)
     beams = BeamSearchParams(beam_width=4, max_tokens=12)
     expected = (
         [[c.token_ids for c in o.outputs] for o in tiny_llm.generate(PROMPTS[:3], forked, use_tqdm=False)],
         [[c.token_ids for c in o.outputs] for o in tiny_llm.beam_search(PROMPTS[:3], beams, use_tqdm=False)],
     )
-    llm = make(tiny_model_folder, **engine_args)
+    llm = make_llm(tiny_model_folder, **engine_args)
     got = (
         [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS[:3], forked, use_tqdm=False)],
         [[c.token_ids for c in o.outputs] for o in llm.beam_search(PROMPTS[:3], beams, use_tqdm=False)],
@@ -574,11 +568,11 @@ def test_forked_completions_and_beams_are_the_same_whatever_the_scheduling(tiny_
 
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix cache", "no prefix cache"])
 def test_sliding_window_layers_give_a_request_alone_the_tokens_it_gets_inside_a_batch_of_32(
-    tiny_gemma3_folder, prefix_caching
+    make_llm, tiny_gemma3_folder, prefix_caching
 ):
     """Gemma 3's per-layer windows (8 tokens, the prompts cross several): batch composition, shared prefixes
     and long prompt chunks (attended in window pieces) change no token."""
-    llm = make(tiny_gemma3_folder, enable_prefix_caching=prefix_caching)
+    llm = make_llm(tiny_gemma3_folder, enable_prefix_caching=prefix_caching)
     batch = (PROMPTS * 6)[:32]
     together = llm.generate(batch, PARAMS, use_tqdm=False)
     alone = {p: llm.generate(p, PARAMS, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS}

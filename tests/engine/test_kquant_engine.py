@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from tests.gguf_files import random_blocks
+from tests.helpers import build_llm
 from tokenloop import LLM, SamplingParams
 from tokenloop.kernels import cpu_kernels_available
 from tokenloop.models.quant import Int4Linear, Int5Linear, Int8Embedding, Int8Linear, QuantLayout
@@ -130,18 +131,18 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, logprobs=0, ignore_eos=Tru
 ROUNDING = 0.25
 
 
-def make(path: Path, **engine_args) -> LLM:
-    return LLM(path, **({"device": "cpu", "kv_cache_gb": 0.01, "enable_prefix_caching": False} | engine_args))
+# The fast path (dtype "auto"); prefix caching off but where a test turns it on.
+FAST = {"dtype": "auto", "enable_prefix_caching": False}
 
 
 @pytest.fixture(scope="module")
 def fast(kquant_gguf) -> LLM:
-    return make(kquant_gguf)  # dtype "auto"
+    return build_llm(kquant_gguf, **FAST)
 
 
 @pytest.fixture(scope="module")
 def exact(kquant_gguf) -> LLM:
-    return make(kquant_gguf, dtype="float32")
+    return build_llm(kquant_gguf, dtype="float32", enable_prefix_caching=False)
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +211,8 @@ def tolerance(kquant_gguf, sequences, float32_logprobs) -> float:
     8-bit mantissas round each weight and activation by up to 2^-9; the int8 activations round each by up to
     1/254 of its block's largest value: errors of one order. Measured over six sets of random weights, the fast
     path was 0.6 to 1.7 times bfloat16's distance."""
-    return 3 * rms(token_logprobs(make(kquant_gguf, dtype="bfloat16"), sequences) - float32_logprobs)
+    bfloat16 = build_llm(kquant_gguf, dtype="bfloat16", enable_prefix_caching=False)
+    return 3 * rms(token_logprobs(bfloat16, sequences) - float32_logprobs)
 
 
 def test_the_fast_paths_logprobs_are_as_close_to_float32_as_bfloat16s(fast, sequences, float32_logprobs, tolerance):
@@ -219,11 +221,13 @@ def test_the_fast_paths_logprobs_are_as_close_to_float32_as_bfloat16s(fast, sequ
 
 @pytest.mark.parametrize("qtype", list(MISREADINGS), ids=lambda q: q.name)
 def test_a_fast_path_that_misread_one_format_would_be_outside_that_tolerance(
-    kquant_folder, sequences, float32_logprobs, tolerance, qtype
+    make_llm, kquant_folder, sequences, float32_logprobs, tolerance, qtype
 ):
     """The check above can fail: each misreading of MISREADINGS, the fast path run on the file as it would read
     it, is 1.8 to 25 times the tolerance away (the Q4_K mins, the smallest part of their weights, the least)."""
-    misread = make(write_kquant_gemma3(kquant_folder / f"misread_{qtype.name}.gguf", kquant_folder, misread=qtype))
+    misread = make_llm(
+        write_kquant_gemma3(kquant_folder / f"misread_{qtype.name}.gguf", kquant_folder, misread=qtype), **FAST
+    )
     assert rms(token_logprobs(misread, sequences) - float32_logprobs) > tolerance
 
 
@@ -242,7 +246,7 @@ def distance_from_greedy(llm: LLM, prompts: list[list[int]], completions: list[C
 @pytest.mark.parametrize(
     "schedule", ["alone", "batch of 16", "prefix cache hits", "chunks of 1", "chunks of 7", "chunks of 64"]
 )
-def test_scheduling_gives_the_fast_paths_greedy_choices(kquant_gguf, fast, alone, schedule):
+def test_scheduling_gives_the_fast_paths_greedy_choices(make_llm, kquant_gguf, fast, alone, schedule):
     """Alone: decode steps (the paged decode kernel) against the teacher-forced prefill (SDPA). The others with
     prefix caching on, but the batch's."""
     requests, prompts = [{"prompt_token_ids": p} for p in PROMPTS], PROMPTS
@@ -254,16 +258,16 @@ def test_scheduling_gives_the_fast_paths_greedy_choices(kquant_gguf, fast, alone
             out.outputs[0] for out in fast.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
         ]
     elif schedule == "prefix cache hits":  # one by one: the later prompts start from the first one's two blocks
-        llm = make(kquant_gguf, enable_prefix_caching=True)
+        llm = make_llm(kquant_gguf, dtype="auto")  # prefix caching on, as by default
         completions = [llm.generate(r, GREEDY, use_tqdm=False)[0].outputs[0] for r in requests]
         assert llm.llm_engine.block_manager.prefix_hit_tokens > 0
     else:  # all prompts at once: their chunks share steps with the decodes of those done
-        llm = make(kquant_gguf, enable_prefix_caching=True, max_num_batched_tokens=int(schedule.split()[-1]))
+        llm = make_llm(kquant_gguf, dtype="auto", max_num_batched_tokens=int(schedule.split()[-1]))
         completions = [out.outputs[0] for out in llm.generate(requests, GREEDY, use_tqdm=False)]
     assert distance_from_greedy(fast, prompts, completions) <= ROUNDING
 
 
-def test_a_window_one_key_too_wide_would_be_far_from_those_choices(kquant_folder, alone):
+def test_a_window_one_key_too_wide_would_be_far_from_those_choices(make_llm, kquant_folder, alone):
     """The check above can fail: the same weights with every sliding layer attending one more key."""
-    wider = make(write_kquant_gemma3(kquant_folder / "wider_window.gguf", kquant_folder, window=WINDOW + 1))
+    wider = make_llm(write_kquant_gemma3(kquant_folder / "wider_window.gguf", kquant_folder, window=WINDOW + 1), **FAST)
     assert distance_from_greedy(wider, PROMPTS, alone) > 10 * ROUNDING

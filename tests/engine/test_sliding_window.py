@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenloop import LLM, SamplingParams
+from tokenloop import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,60 +43,50 @@ def check(outputs, reference) -> None:
         torch.testing.assert_close(torch.tensor(got), torch.tensor(logprobs), atol=1e-4, rtol=0)
 
 
-def make(folder, **engine_args) -> LLM:
-    return LLM(folder, **({"dtype": "float32", "device": "cpu", "kv_cache_gb": 0.01} | engine_args))
-
-
 def requests() -> list[dict]:
     return [{"prompt_token_ids": p} for p in PROMPTS]
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["no prefix cache", "prefix cache"])
-def test_one_by_one_with_and_without_prefix_caching(tiny_gemma3_folder, reference, prefix_caching):
-    llm = make(tiny_gemma3_folder, enable_prefix_caching=prefix_caching)
+def test_one_by_one_with_and_without_prefix_caching(make_llm, tiny_gemma3_folder, reference, prefix_caching):
+    llm = make_llm(tiny_gemma3_folder, enable_prefix_caching=prefix_caching)
     # One by one, so that with caching the later prompts start from the first one's two cached blocks.
     check([llm.generate(r, PARAMS, use_tqdm=False)[0] for r in requests()], reference)
     assert (llm.llm_engine.block_manager.prefix_hit_tokens > 0) == prefix_caching
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64])
-def test_chunked_prefill_batched_with_decodes(tiny_gemma3_folder, reference, chunk):
+def test_chunked_prefill_batched_with_decodes(make_llm, tiny_gemma3_folder, reference, chunk):
     """All prompts in one batch: their chunks share steps with the decodes of the ones that are done."""
     check(
-        make(tiny_gemma3_folder, max_num_batched_tokens=chunk).generate(requests(), PARAMS, use_tqdm=False), reference
+        make_llm(tiny_gemma3_folder, max_num_batched_tokens=chunk).generate(requests(), PARAMS, use_tqdm=False),
+        reference,
     )
 
 
-def test_preempted_and_recomputed(tiny_gemma3_folder, reference):
+def test_preempted_and_recomputed(make_llm, tiny_gemma3_folder, reference):
     """A pool too small for the batch: sequences are preempted and their windows recomputed."""
-    from tokenloop.engine.model_runner import kv_bytes_per_block
-
-    probe = make(tiny_gemma3_folder).llm_engine
-    blocks = 9  # the longest sequence needs 5 blocks of 16: two cannot run together
-    llm = make(
-        tiny_gemma3_folder,
-        kv_cache_gb=blocks * kv_bytes_per_block(probe.model_config, probe.config.block_size, torch.float32) / 2**30,
-    )
+    llm = make_llm(tiny_gemma3_folder, kv_blocks=9)  # the longest sequence needs 5 blocks: two cannot run together
     check(llm.generate(requests(), PARAMS, use_tqdm=False), reference)
     assert llm.llm_engine.scheduler.num_preemptions > 0
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_speculative_decoding_verifies_across_the_window(tiny_gemma3_folder, reference, method):
+def test_speculative_decoding_verifies_across_the_window(make_llm, tiny_gemma3_folder, reference, method):
     """Drafts every step (adaptive off): verify rows of one sequence attend through their own windows. The draft
     model is the tiny Gemma itself in bfloat16 (close, not equal)."""
     spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
     if method == "draft":
         spec |= {"model": str(tiny_gemma3_folder), "dtype": "bfloat16"}
-    llm = make(tiny_gemma3_folder, speculative_config=spec)
+    llm = make_llm(tiny_gemma3_folder, speculative_config=spec)
     check(llm.generate(requests(), PARAMS, use_tqdm=False), reference)
     assert llm.llm_engine.speculator.stats.num_accepted_tokens > 0
 
 
-def test_the_idle_kv_of_sliding_layers_is_the_blocks_wholly_outside_their_window(tiny_gemma3_folder):
+def test_the_idle_kv_of_sliding_layers_is_the_blocks_wholly_outside_their_window(make_llm, tiny_gemma3_folder):
     from tokenloop.engine.model_runner import sliding_window_idle_bytes
 
-    config = make(tiny_gemma3_folder).llm_engine.model_config
+    config = make_llm(tiny_gemma3_folder).llm_engine.model_config
     sliding = sum(config.layer_window(i) is not None for i in range(config.num_layers))
     assert config.sliding_window == 8 and 0 < sliding < config.num_layers
     per_block = 2 * 16 * config.num_kv_heads * config.head_dim * 2  # float16 K and V of one block in one layer

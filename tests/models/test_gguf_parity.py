@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import forward_in_chunks, reference_greedy
+from tests.helpers import forward_in_chunks, hf_beams, reference_greedy
 from tokenloop import SamplingParams
 from tokenloop.models.loader import LoadedModel
 
@@ -125,7 +125,6 @@ def test_greedy_tokens_with_a_penalty_match_transformers_generate(llm_fp32, hf_r
 def test_beam_search_matches_transformers_generate(llm_fp32, hf_reference):
     """num_beams=4, num_return_sequences=4, length_penalty=1.0, early_stopping=False, 24 new tokens: the same
     four beams in the same order for chat prompts (whose beams can end with <|im_end|>) and raw ones."""
-    from tests.engine.test_beam_search import hf_beams
     from tokenloop import BeamSearchParams
 
     hf_model, _ = hf_reference

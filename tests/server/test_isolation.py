@@ -117,11 +117,12 @@ def test_a_streamed_engine_failure_ends_with_an_error_event_and_done(faulty_serv
     assert events[-1] == "[DONE]" and "injected fault" in json.loads(events[-2])["error"]["message"]
 
 
-def test_health_is_503_within_5_s_of_a_stuck_step_loop_and_200_after(faulty_server):
+def test_health_is_503_while_the_step_loop_is_stuck_and_200_after(faulty_server):
+    """The stall holds the step loop 8 s; /health says 503 once the loop has been silent --stall-timeout (4 s): it
+    must say so before the stalled request returns, however long the request took to reach the engine."""
     with faulty_server.http() as http:
         assert http.get("/health").status_code == 200
         with faulty_server.http() as other:
-            start = time.monotonic()
             done = {}
             thread = threading.Thread(
                 target=lambda: done.setdefault(
@@ -130,7 +131,7 @@ def test_health_is_503_within_5_s_of_a_stuck_step_loop_and_200_after(faulty_serv
             )
             thread.start()
             while (health := http.get("/health")).status_code == 200:
-                assert time.monotonic() - start < 5, "no 503 within 5 s of the stall"
+                assert "r" not in done, "/health said 200 all through the stall"
                 time.sleep(0.1)
             assert health.status_code == 503 and health.json() == {"status": "stalled"}
             thread.join(30)

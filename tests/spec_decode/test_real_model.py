@@ -42,8 +42,10 @@ def chat_tokens(llm: LLM, prompts: list[str]) -> list[list[int]]:
     ]
 
 
-def test_there_are_fifty_distinct_prompts():
-    assert len(set(PROMPTS)) == 50
+def test_the_fifty_prompts_are_fifty_distinct_token_sequences(llm_fp32):
+    """What the model is given: each prompt through its chat template and tokenizer, none the same as another."""
+    ids = [tuple(llm_fp32.chat_prompt([{"role": "user", "content": p}])["prompt_token_ids"]) for p in PROMPTS]
+    assert len(ids) == len(set(ids)) == 50
 
 
 @pytest.fixture(scope="module")

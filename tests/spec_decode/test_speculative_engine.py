@@ -37,12 +37,6 @@ def draft_config(folder) -> dict:
     }
 
 
-def make(folder, spec=None, **engine_args) -> LLM:
-    return LLM(
-        folder, **({"dtype": "float32", "device": "cpu", "kv_cache_gb": 0.01, "speculative_config": spec} | engine_args)
-    )
-
-
 def tokens(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
@@ -70,8 +64,8 @@ def spec(request, tiny_model_folder):
     [{}, {"enable_prefix_caching": False}, {"max_num_batched_tokens": 7}],
     ids=["default", "no prefix cache", "chunked"],
 )
-def test_greedy_tokens_with_drafts_equal_those_without(tiny_model_folder, reference, spec, engine_args):
-    llm = make(tiny_model_folder, spec, **engine_args)
+def test_greedy_tokens_with_drafts_equal_those_without(make_llm, tiny_model_folder, reference, spec, engine_args):
+    llm = make_llm(tiny_model_folder, speculative_config=spec, **engine_args)
     assert tokens(llm, PROMPTS) == reference
     stats = llm.llm_engine.speculator.stats
     assert (
@@ -80,24 +74,27 @@ def test_greedy_tokens_with_drafts_equal_those_without(tiny_model_folder, refere
     assert_nothing_held(llm)
 
 
-def test_a_batch_of_32_mixing_drafting_and_plain_requests_changes_no_token(tiny_model_folder, tiny_llm, spec):
+def test_a_batch_of_32_mixing_drafting_and_plain_requests_changes_no_token(make_llm, tiny_model_folder, tiny_llm, spec):
     batch = (PROMPTS * 6)[:32]
     plain = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, seed=3)  # seeded: drafts all it may too
     sampled = SamplingParams(temperature=0.9, max_tokens=40, ignore_eos=True, seed=5)
     params = [GREEDY if i % 3 == 0 else plain if i % 3 == 1 else sampled for i in range(32)]
     expected = [o.outputs[0].token_ids for o in tiny_llm.generate(batch, params, use_tqdm=False)]
-    llm = make(tiny_model_folder, spec)
+    llm = make_llm(tiny_model_folder, speculative_config=spec)
     got = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
     greedy_rows = [i for i in range(32) if i % 3 != 2]
     assert [got[i] for i in greedy_rows] == [expected[i] for i in greedy_rows]
-    again = [o.outputs[0].token_ids for o in make(tiny_model_folder, spec).generate(batch, params, use_tqdm=False)]
+    again = [
+        o.outputs[0].token_ids
+        for o in make_llm(tiny_model_folder, speculative_config=spec).generate(batch, params, use_tqdm=False)
+    ]
     assert again == got  # seeded sampling with drafts is reproducible
     assert_nothing_held(llm)
 
 
-def test_preemption_with_drafts_changes_no_token(tiny_model_folder, reference, spec):
-    # A pool of 6 blocks of 16 tokens: the six sequences cannot all hold their context; some are preempted.
-    llm = make(tiny_model_folder, spec, kv_cache_gb=6 * 16 * 2 * 2 * 2 * 32 * 4 / 2**30)
+def test_preemption_with_drafts_changes_no_token(make_llm, tiny_model_folder, reference, spec):
+    # A pool of 12 blocks of 16 tokens: the six sequences cannot all hold their context; some are preempted.
+    llm = make_llm(tiny_model_folder, kv_blocks=12, speculative_config=spec)
     assert tokens(llm, PROMPTS) == reference
     assert llm.llm_engine.scheduler.num_preemptions > 0
     assert_nothing_held(llm)
@@ -117,17 +114,17 @@ def test_preemption_with_drafts_changes_no_token(tiny_model_folder, reference, s
     ],
     ids=["penalties and bias", "n-gram and word bans"],
 )
-def test_processors_see_the_accepted_draft_tokens(tiny_model_folder, tiny_llm, spec, controls):
+def test_processors_see_the_accepted_draft_tokens(make_llm, tiny_model_folder, tiny_llm, spec, controls):
     params = SamplingParams(temperature=0, max_tokens=40, **controls)
     expected = tokens(tiny_llm, PROMPTS, params)
-    llm = make(tiny_model_folder, spec)
+    llm = make_llm(tiny_model_folder, speculative_config=spec)
     assert tokens(llm, PROMPTS, params) == expected
     assert (
         llm.llm_engine.speculator.stats.num_accepted_tokens > 0
     )  # later positions were judged with the earlier drafts applied
 
 
-def test_structured_output_masks_apply_at_every_verified_position(tiny_model_folder, tiny_llm, spec):
+def test_structured_output_masks_apply_at_every_verified_position(make_llm, tiny_model_folder, tiny_llm, spec):
     from tokenloop.sampling.structured import StructuredOutputsParams
 
     regex = r"(ab|ba|abc){6,12}"
@@ -137,7 +134,7 @@ def test_structured_output_masks_apply_at_every_verified_position(tiny_model_fol
         for t in (0, 0.8)
     ]
     expected = tiny_llm.generate(prompts, params[0], use_tqdm=False)
-    llm = make(tiny_model_folder, spec)
+    llm = make_llm(tiny_model_folder, speculative_config=spec)
     got = llm.generate(prompts, params[0], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
     sampled = llm.generate(prompts, params[1], use_tqdm=False)
@@ -146,10 +143,10 @@ def test_structured_output_masks_apply_at_every_verified_position(tiny_model_fol
         assert llm.llm_engine.speculator.stats.num_accepted_tokens > 0
 
 
-def test_n_greater_than_1_and_logprobs_with_drafts(tiny_model_folder, tiny_llm, spec):
+def test_n_greater_than_1_and_logprobs_with_drafts(make_llm, tiny_model_folder, tiny_llm, spec):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=3, logprobs=2)
     expected = tiny_llm.generate(PROMPTS[:2], params, use_tqdm=False)
-    got = make(tiny_model_folder, spec).generate(PROMPTS[:2], params, use_tqdm=False)
+    got = make_llm(tiny_model_folder, speculative_config=spec).generate(PROMPTS[:2], params, use_tqdm=False)
     for e, g in zip(expected, got):
         assert [c.token_ids for c in g.outputs] == [c.token_ids for c in e.outputs]
         for ce, cg in zip(e.outputs, g.outputs):
@@ -157,7 +154,7 @@ def test_n_greater_than_1_and_logprobs_with_drafts(tiny_model_folder, tiny_llm, 
             assert cg.cumulative_logprob == pytest.approx(ce.cumulative_logprob, abs=1e-4)
 
 
-def test_stop_strings_and_max_tokens_inside_an_accepted_run(tiny_model_folder, tiny_llm, spec):
+def test_stop_strings_and_max_tokens_inside_an_accepted_run(make_llm, tiny_model_folder, tiny_llm, spec):
     reference = tokens(tiny_llm, PROMPTS[:1])[0]
     text = tiny_llm.get_tokenizer().decode(reference[10:13])
     for params in (
@@ -165,7 +162,11 @@ def test_stop_strings_and_max_tokens_inside_an_accepted_run(tiny_model_folder, t
         SamplingParams(temperature=0, max_tokens=17, ignore_eos=True),
     ):
         expected = tiny_llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
-        got = make(tiny_model_folder, spec).generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+        got = (
+            make_llm(tiny_model_folder, speculative_config=spec)
+            .generate(PROMPTS[:1], params, use_tqdm=False)[0]
+            .outputs[0]
+        )
         assert (got.token_ids, got.text, got.finish_reason) == (
             expected.token_ids,
             expected.text,
@@ -173,8 +174,8 @@ def test_stop_strings_and_max_tokens_inside_an_accepted_run(tiny_model_folder, t
         )
 
 
-def test_rejected_draft_tokens_never_enter_the_prefix_cache(tiny_model_folder, spec):
-    llm = make(tiny_model_folder, spec)
+def test_rejected_draft_tokens_never_enter_the_prefix_cache(make_llm, tiny_model_folder, spec):
+    llm = make_llm(tiny_model_folder, speculative_config=spec)
     engine = llm.llm_engine
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert engine.speculator.stats.num_accepted_tokens < engine.speculator.stats.num_draft_tokens
@@ -188,8 +189,8 @@ def test_rejected_draft_tokens_never_enter_the_prefix_cache(tiny_model_folder, s
         )
 
 
-def test_aborting_drafting_requests_leaves_no_block_behind(tiny_model_folder, spec):
-    llm = make(tiny_model_folder, spec)
+def test_aborting_drafting_requests_leaves_no_block_behind(make_llm, tiny_model_folder, spec):
+    llm = make_llm(tiny_model_folder, speculative_config=spec)
     engine = llm.llm_engine
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
     for _ in range(30):

@@ -8,16 +8,17 @@ import re
 
 import pytest
 
-from tokenloop import LLM, SamplingParams
+from tokenloop import SamplingParams
 from tokenloop.strategies import skeleton
 
+# A pool for the outline's forks, which share its blocks by forking, not through the prefix cache.
+ENGINE = {"kv_cache_gb": 0.02, "enable_prefix_caching": False}
 
-def make(folder, **kw) -> LLM:
-    return LLM(folder, **({"dtype": "float32", "device": "cpu", "kv_cache_gb": 0.02} | kw))
 
-
-def test_the_outline_follows_its_grammar_and_each_point_is_expanded_in_order(long_context_model_folder, monkeypatch):
-    llm = make(long_context_model_folder, enable_prefix_caching=False)  # shared by forking, not by the cache
+def test_the_outline_follows_its_grammar_and_each_point_is_expanded_in_order(
+    make_llm, long_context_model_folder, monkeypatch
+):
+    llm = make_llm(long_context_model_folder, **ENGINE)
     engine = llm.llm_engine
     steps = []
     real_step = engine.step
@@ -34,8 +35,10 @@ def test_the_outline_follows_its_grammar_and_each_point_is_expanded_in_order(lon
     assert engine.block_manager.num_used_blocks == 0
 
 
-def test_forks_of_a_retained_request_share_its_blocks_and_generate_as_fresh_prompts(long_context_model_folder):
-    llm = make(long_context_model_folder, enable_prefix_caching=False)
+def test_forks_of_a_retained_request_share_its_blocks_and_generate_as_fresh_prompts(
+    make_llm, long_context_model_folder
+):
+    llm = make_llm(long_context_model_folder, **ENGINE)
     engine, block_size = llm.llm_engine, llm.llm_engine.config.block_size
     prompt = list(range(5, 105))  # 100 tokens: 6 full blocks and 4 tokens
     parent = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), retain=True)
@@ -52,7 +55,7 @@ def test_forks_of_a_retained_request_share_its_blocks_and_generate_as_fresh_prom
     forked = [o.outputs[0].token_ids for o in llm._run(children, use_tqdm=False)]
     engine.release_request(parent)
     assert engine.block_manager.num_used_blocks == 0
-    fresh = make(long_context_model_folder, enable_prefix_caching=False).generate(
+    fresh = make_llm(long_context_model_folder, **ENGINE).generate(
         [written + s for s in suffixes], params, use_tqdm=False
     )
     assert forked == [o.outputs[0].token_ids for o in fresh]
