@@ -15,7 +15,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 from tokenloop import LLM
 from tokenloop.engine.async_engine import AsyncEngine, AsyncEngineConfig
 from tokenloop.engine.block_manager import BlockManager
-from tokenloop.engine.llm_engine import EngineConfig
+from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.model_runner import ModelRunner, kv_bytes_per_block
 from tokenloop.engine.scheduler import ScheduledBatch
 from tokenloop.engine.sequence import Sequence

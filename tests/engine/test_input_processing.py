@@ -9,8 +9,6 @@ import threading
 
 import pytest
 
-from tokenloop.engine.async_engine import AsyncEngine
-from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.input_processor import ProcessedPrompt
 from tokenloop.outputs import Prefix
 from tokenloop.sampling.params import SamplingParams
@@ -51,8 +49,8 @@ def test_a_running_requests_outputs_are_snapshots_that_later_steps_leave_unchang
         assert isinstance(c.token_ids, Prefix) == (i < 11)
 
 
-def test_prompts_are_processed_on_the_input_threads_at_the_lowest_priority(tiny_model_folder):
-    engine = AsyncEngine(EngineConfig(str(tiny_model_folder), dtype="float32", device="cpu", kv_cache_gb=0.01))
+def test_prompts_are_processed_on_the_input_threads_at_the_lowest_priority(make_async_engine, tiny_model_folder):
+    engine = make_async_engine(tiny_model_folder)
     where = []
     process = engine.inputs.process
 
@@ -72,10 +70,7 @@ def test_prompts_are_processed_on_the_input_threads_at_the_lowest_priority(tiny_
             await engine.admit_and_process(["hello", ""], PARAMS)
         return loop_thread, out, batch
 
-    try:
-        loop_thread, out, batch = asyncio.run(scenario())
-    finally:
-        engine.shutdown()
+    loop_thread, out, batch = asyncio.run(scenario())
     assert out.finished and len(out.outputs[0].token_ids) == 12 and len(batch) == 2
     assert len(where) == 5 and all(name.startswith("tokenloop-input") for name, _ in where)
     assert all(name != loop_thread and name != "tokenloop-engine" for name, _ in where)
