@@ -79,3 +79,18 @@ def test_a_beam_search_among_other_requests_finds_the_same_beams(tiny_llm):
 def test_bad_beam_search_params_are_a_value_error_naming_the_field(kw, field):
     with pytest.raises(ValueError, match=f"^{field}"):
         BeamSearchParams(**kw)
+
+
+def test_a_paused_beam_search_waits_with_its_blocks_and_resumes_to_the_same_beams(tiny_llm):
+    params = BeamSearchParams(beam_width=3, max_tokens=10)
+    alone = [c.token_ids for c in tiny_llm.beam_search(PROMPTS[0], params, use_tqdm=False)[0].outputs]
+    engine = tiny_llm.llm_engine
+    beam = engine.add_request(PROMPTS[0], params)
+    for _ in range(3):
+        engine.step()
+    engine.pause_request(beam)
+    held = engine.block_manager.num_used_blocks
+    assert not engine.has_unfinished_requests() and held > 0 and engine.scheduler.paused
+    engine.resume_request(beam)
+    outs = [out for _ in range(40) for out in engine.step() if out.finished]
+    assert [c.token_ids for c in outs[0].outputs] == alone and engine.block_manager.num_used_blocks == 0

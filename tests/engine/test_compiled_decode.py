@@ -260,7 +260,7 @@ llm.llm_engine.runner.forward.worker.wait()
     llm = LLM(tiny_model_folder, dtype="float32", device="cpu", kv_cache_gb=0.01, compile=True)
     forward = llm.llm_engine.runner.forward
     assert forward.worker is not None and forward.compiled is None  # eager at once, the build in a child
-    threads = llm.llm_engine._threads_after_compile  # None: the engine had one core to start with
+    threads = llm.llm_engine.executor._threads_after_compile  # None: the engine had one core to start with
     assert threads is None or torch.get_num_threads() == threads - 1  # a core left to the build meanwhile
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = ["Hello world", "The quick brown fox", "def main():"]

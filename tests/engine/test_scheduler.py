@@ -113,5 +113,5 @@ def test_update_from_output_frees_finished_sequences_unless_they_keep_their_bloc
     scheduler.update_from_output(batch, [1, 1, None])
     assert ended == [done, kept] and scheduler.running == [failed]
     assert (done.block_table, len(kept.block_table), failed.num_computed_tokens) == ([], 1, 0)
-    scheduler.release(kept)
+    scheduler.release_kept(kept)
     assert manager.num_used_blocks == 1 and not kept.keep_blocks  # only the failed one's, until the engine drops it

@@ -61,3 +61,17 @@ def test_forks_of_a_retained_request_share_its_blocks_and_generate_as_fresh_prom
     assert forked == [o.outputs[0].token_ids for o in fresh]
     with pytest.raises(ValueError, match="retain=True"):
         engine.fork_request(parent, [[1]], params)
+
+
+def test_a_fork_with_n_completions_forks_them_off_its_first_and_ends(make_llm, long_context_model_folder):
+    llm = make_llm(long_context_model_folder, **ENGINE)
+    engine = llm.llm_engine
+    prompt = list(range(5, 45))
+    parent = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), retain=True)
+    (out,) = llm._run([parent], use_tqdm=False)
+    params = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=5, ignore_eos=True)
+    (forked,) = llm._run(engine.fork_request(parent, [[7, 8]], params), use_tqdm=False)
+    engine.release_request(parent)
+    assert forked.finished and engine.block_manager.num_used_blocks == 0 and not engine.requests
+    fresh = make_llm(long_context_model_folder, **ENGINE).generate(prompt + out.outputs[0].token_ids + [7, 8], params)
+    assert [c.token_ids for c in forked.outputs] == [c.token_ids for c in fresh[0].outputs]

@@ -3,9 +3,12 @@ wait for a server they started."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 
@@ -39,3 +42,18 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 900) -> None
             pass
         time.sleep(0.5)
     raise TimeoutError(f"no 200 from {url} within {timeout:g} s")
+
+
+@contextmanager
+def serving(cmd: list[str], health_url: str) -> Iterator[subprocess.Popen]:
+    """A server process started from `cmd`, healthy, for the block; stopped as a supervisor would (SIGTERM)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_healthy(health_url, proc)
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()

@@ -16,8 +16,6 @@ import argparse
 import asyncio
 import json
 import random
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -25,7 +23,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from tokenloop.bench import record
-from tokenloop.bench.common import DEFAULT_PROMPT, build_compiled_package, wait_healthy
+from tokenloop.bench.common import DEFAULT_PROMPT, build_compiled_package, serving
 from tokenloop.bench.serve import percentile
 
 QUIET_S = 3.0  # of stream before the first disturbance and after the last
@@ -170,16 +168,8 @@ def main_from_args(args: argparse.Namespace) -> int:
     if args.compile:
         build_compiled_package(model, "auto")
     cmd = [sys.executable, "-m", "tokenloop.cli", "serve", "--model", model, "--port", str(args.port)]
-    proc = subprocess.Popen([*cmd, "--compile" if args.compile else "--no-compile"], stdout=subprocess.DEVNULL)
-    try:
-        wait_healthy(f"http://127.0.0.1:{args.port}/health", proc)
+    with serving([*cmd, "--compile" if args.compile else "--no-compile"], f"http://127.0.0.1:{args.port}/health"):
         timeline, disturbances = asyncio.run(run(f"http://127.0.0.1:{args.port}", model, args.prompt_mb, args.fields))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     text, ok = report(timeline, disturbances)
     print(text)
     if args.record:

@@ -12,14 +12,12 @@ import argparse
 import asyncio
 import dataclasses
 import os
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 
 from tokenloop.bench import record, serve
-from tokenloop.bench.common import build_compiled_package, wait_healthy
+from tokenloop.bench.common import build_compiled_package, serving
 from tokenloop.bench.serve import ServeBenchConfig, ServeBenchResult, format_report, percentile, run_serve_bench
 
 PEERS = ("llama-server", "llama-cpp-python")
@@ -42,17 +40,9 @@ def _peak_rss_mib(pid: int) -> float:
 
 
 def _run(label: str, cmd: list[str], port: int, health: str, bench: ServeBenchConfig) -> ServerRun:
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}{health}", proc)
+    with serving(cmd, f"http://127.0.0.1:{port}{health}") as proc:
         result = asyncio.run(run_serve_bench(dataclasses.replace(bench, base_url=f"http://127.0.0.1:{port}/v1")))
         return ServerRun(label, result, _peak_rss_mib(proc.pid))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def compare(

@@ -116,9 +116,7 @@ class AsyncEngine:
             raise error
         self.inputs: InputProcessor = self.engine.input_processor  # thread-safe: used on the input threads
         self.input_threads = InputThreads()
-        # llguidance's tokenizer takes a while to build, holding the GIL: built now, not on the first structured
-        # request while others stream.
-        self.input_threads.submit(self.inputs.grammars)
+        self.input_threads.submit(self.inputs.warm)
 
     @property
     def num_in_flight(self) -> int:

@@ -3,7 +3,7 @@
 Parsing, the chat template, tool rendering, tokenizing, compiling a grammar and every check of a prompt against
 its parameters happen here, once, before anything is queued: a bad request is a ValueError naming the field, and
 the engine's step never waits for any of it. Thread-safe, so that the server runs it on worker threads of its own
-(engine/input_worker.py) rather than on its event loop or the step thread.
+(engine/input_threads.py) rather than on its event loop or the step thread.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class ProcessedPrompt:
 
     prompt: str | None  # its text, when it came as text
     prompt_token_ids: list[int]
-    params: SamplingParams | BeamSearchParams  # max_tokens filled in: up to the context length when unset
+    params: SamplingParams | BeamSearchParams  # a SamplingParams' unset max_tokens filled in: up to the context
 
 
 class InputProcessor:
@@ -78,6 +78,12 @@ class InputProcessor:
         )
         return {"prompt": text, "prompt_token_ids": token_ids}
 
+    def warm(self) -> None:
+        """Build now what the first structured or long prompt would otherwise build while others stream, holding the
+        GIL: llguidance's tokenizer and the tokenizer's bound on bytes per token."""
+        self.grammars()
+        self.tokenizer.min_tokens("")
+
     def grammars(self) -> GrammarCompiler:
         """llguidance's view of the tokenizer, built on first use (a fraction of a second to a second, holding the
         GIL: a server builds it as it starts)."""
@@ -101,7 +107,8 @@ class InputProcessor:
                 raise ValueError(f"{name} has token ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         if bad := [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]:
             raise ValueError(f"prompt token ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-        self._check_length(len(token_ids))
+        if (error := self._too_long(len(token_ids))) is not None:
+            raise error
         for limit, what in self.limits:  # the field to blame is max_tokens when the prompt alone leaves room
             if len(token_ids) + (params.max_tokens or 1) > limit:
                 raise ValueError(
@@ -112,23 +119,24 @@ class InputProcessor:
         if params.max_tokens is None and params.min_tokens > room:  # (with max_tokens, SamplingParams checks)
             raise ValueError(f"min_tokens ({params.min_tokens}) must not exceed max_tokens (up to the context: {room})")
 
-    def _check_length(self, num_tokens: int, at_least: bool = False) -> None:
+    def _too_long(self, num_tokens: int, at_least: bool = False) -> ValueError | None:
         for limit, what in self.limits:
             if num_tokens + 1 > limit:
-                raise ValueError(
+                return ValueError(
                     f"the prompt has {'at least ' if at_least else ''}{num_tokens} tokens: no room for one more "
                     f"within {what} of {limit} tokens"
                 )
+        return None
 
     def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A text's ids. One too long for any request is refused untokenized when its bytes tell (a long text's
         tokens, even unlisted, take a tenth of a second to free, holding the GIL), else before its ids are listed."""
-        self._check_length(self.tokenizer.min_tokens(text), at_least=True)
+        if (error := self._too_long(self.tokenizer.min_tokens(text), at_least=True)) is not None:
+            raise error
         try:
             return self.tokenizer.encode(text, add_special_tokens, limit=min(limit for limit, _ in self.limits) - 1)
-        except TooManyTokens as e:
-            self._check_length(e.num_tokens)
-            raise
+        except TooManyTokens as e:  # beyond the smallest limit, so too long
+            raise self._too_long(e.num_tokens) from None
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -133,7 +133,7 @@ class LLMEngine:
     def release_request(self, request_id: str) -> None:
         """Free the blocks a finished, retained request kept."""
         if (seq := self._retained.pop(request_id, None)) is not None:
-            self.scheduler.release(seq)
+            self.scheduler.release_kept(seq)
 
     def keep(self, request_id: str, seq: Sequence) -> None:
         self._retained[request_id] = seq
@@ -175,7 +175,7 @@ class LLMEngine:
     def _drop(self, request_id: str) -> Request | None:
         request = self.requests.pop(request_id, None)
         for seq in request.live_sequences() if request is not None else []:
-            seq.finish_reason = "abort"
+            seq.finish_reason = seq.finish_reason or "abort"
             self.scheduler.finish(seq)
         return request
 
@@ -183,14 +183,14 @@ class LLMEngine:
         """Take a request out of the batches, keeping its KV blocks (its reader has fallen behind)."""
         if (request := self.requests.get(request_id)) is not None:
             request.paused = True
-            for completion in request.completions:
-                self.scheduler.pause(completion.seq)
+            for seq in request.live_sequences():
+                self.scheduler.pause(seq)
 
     def resume_request(self, request_id: str) -> None:
         if (request := self.requests.get(request_id)) is not None:
             request.paused = False
-            for completion in request.completions:
-                self.scheduler.resume(completion.seq)
+            for seq in request.live_sequences():
+                self.scheduler.resume(seq)
 
     def has_unfinished_requests(self) -> bool:
         """Whether a step has something to run (paused requests do not count)."""

@@ -174,8 +174,8 @@ class ModelRunner:
         self.sampler = Sampler()
 
     def prepare(self, batch: ScheduledBatch) -> ModelInput:
-        # The index arrays are a few dozen integers: numpy builds them in about a microsecond an op, torch's
-        # dispatch costs several, and a decode step takes ~10 ms. They reach the device once, at the end.
+        # The index arrays are a few dozen integers: numpy builds them faster than torch dispatches an op, which
+        # adds up over a step's many small ops. They reach the device once, at the end.
         bs = self.block_size
         starts_list = [seq.num_computed_tokens for seq in batch.seqs]
         drafts = [len(seq.draft) if seq.draft is not None else 0 for seq in batch.seqs]

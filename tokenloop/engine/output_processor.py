@@ -74,7 +74,7 @@ class OutputProcessor:
                 result.fail(request.request_id, "updating", e)
                 continue
             progressed[request.request_id] = request
-        return list(progressed.values())
+        return [request for request in progressed.values() if request.request_id not in result.failed]
 
     def append(self, state: CompletionState, samples: StepSamples, row: int) -> None:
         """Add the token sampled at `row` to a completion; marks it finished when a stop condition holds."""

@@ -20,7 +20,7 @@ from tokenloop.engine.input_processor import ProcessedPrompt
 from tokenloop.engine.model_runner import StepSamples
 from tokenloop.engine.output_processor import CompletionState, OutputProcessor
 from tokenloop.engine.scheduler import Scheduler
-from tokenloop.engine.sequence import Sequence
+from tokenloop.engine.sequence import Sequence, SequenceStatus
 from tokenloop.outputs import Logprob, RequestOutput
 from tokenloop.sampling.params import SamplingParams
 
@@ -55,7 +55,8 @@ class Request:
         return len(self.completions) == self.params.n and all(c.finished for c in self.completions)
 
     def live_sequences(self) -> list[Sequence]:
-        return [c.seq for c in self.completions if not c.finished]
+        """Its sequences the scheduler still holds (one whose stop came in a step that then failed, too)."""
+        return [c.seq for c in self.completions if c.seq.status is not SequenceStatus.FINISHED]
 
     def start(self, engine: Engine) -> None:
         raise NotImplementedError
@@ -75,21 +76,26 @@ class Request:
 
 class SamplingRequest(Request):
     def start(self, engine: Engine) -> None:
+        engine.scheduler.add(self._first(engine))
+
+    def _first(self, engine: Engine) -> Sequence:
         seq = engine.new_completion(self).seq
         seq.keep_blocks = self.params.n > 1  # until the others have forked off it
-        engine.scheduler.add(seq)
+        return seq
 
     def after_step(self, engine: Engine, out: OutputProcessor) -> RequestOutput | None:
         if len(self.completions) < self.params.n:  # the first has prefilled the prompt and sampled
             first = self.completions[0].seq
-            for _ in range(self.params.n - 1):  # each computes the prompt's last token again, to sample its own
-                seq = engine.new_completion(self).seq
-                engine.scheduler.fork(first, seq, seq.num_prompt_tokens - 1)
-                if self.paused:
-                    engine.scheduler.pause(seq)
-            if first.finish_reason is not None:
-                engine.scheduler.release(first)
-            first.keep_blocks = False
+            try:
+                for _ in range(self.params.n - 1):  # each computes the prompt's last token again, to sample its own
+                    seq = engine.new_completion(self).seq
+                    engine.scheduler.fork(first, seq, seq.num_prompt_tokens - 1)
+                    if self.paused:
+                        engine.scheduler.pause(seq)
+            finally:  # forked or failed, the first keeps its blocks no longer
+                if first.status is SequenceStatus.FINISHED:
+                    engine.scheduler.release_kept(first)
+                first.keep_blocks = False
         return super().after_step(engine, out)
 
 
@@ -105,15 +111,16 @@ class RetainedRequest(Request):
         return super().after_step(engine, out)
 
 
-class ForkedRequest(Request):
-    """Continues a finished, retained sequence: its prompt is that sequence's tokens and a suffix."""
+class ForkedRequest(SamplingRequest):
+    """Continues a finished, retained sequence: its prompt is that sequence's tokens and a suffix; with n > 1 the
+    others fork off its first once it has computed the suffix."""
 
     def __init__(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams, parent: Sequence) -> None:
         super().__init__(request_id, processed, params)
         self.parent = parent
 
     def start(self, engine: Engine) -> None:
-        engine.scheduler.fork(self.parent, engine.new_completion(self).seq, self.parent.num_computed_tokens)
+        engine.scheduler.fork(self.parent, self._first(engine), self.parent.num_computed_tokens)
 
 
 class BeamRequest(Request):

@@ -161,7 +161,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, free: bool = True) -> None:
-        """Out of the queues; its blocks freed, unless `free` is False (kept for forks: release() frees them)."""
+        """Out of the queues; its blocks freed, unless `free` is False (kept for forks: release_kept frees them)."""
         seq.status = SequenceStatus.FINISHED
         for queue in (self.running, self.waiting, self.paused):
             if seq in queue:
@@ -172,7 +172,7 @@ class Scheduler:
         for listener in self.on_finish:
             listener(seq)
 
-    def release(self, seq: Sequence) -> None:
+    def release_kept(self, seq: Sequence) -> None:
         """Free the blocks a finished sequence kept for forks."""
         seq.keep_blocks = False
         self.block_manager.free(seq)

@@ -2,8 +2,8 @@
 
 A decode step reads every weight once: it is bound by memory bandwidth, which one thread nearly saturates. A
 thread on a core that another process keeps busy only makes each parallel region wait for it: with one of two
-cores taken, two threads decoded at 43 tokens/s where one thread kept 127 (SmolLM2, 150 quiet). So cores that
-are busy when the engine starts are left to their owner.
+cores taken, two threads decode at a third of the speed one thread keeps. So cores that are busy when the engine
+starts are left to their owner.
 """
 
 from __future__ import annotations

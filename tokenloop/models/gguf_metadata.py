@@ -11,7 +11,7 @@ import numpy as np
 
 class _Reader(gguf.GGUFReader):
     """gguf's reader with metadata arrays parsed whole. gguf parses an array element by element, each through a
-    few numpy views: a 262k-token vocabulary (its tokens, scores and types) took 8 to 12 s of Gemma 3's load.
+    few numpy views: a 262k-token vocabulary (its tokens, scores and types) took most of Gemma 3's load.
     An array of numbers becomes one part; an array of strings one part per string (its bytes, without the length
     gguf keeps beside them): what read_metadata reads. The tensors are gguf's own."""
 

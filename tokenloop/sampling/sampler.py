@@ -125,9 +125,9 @@ ARGMAX_BLOCK = 1024
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) for x [B, V]: the same index (the first of equal maxima; the first NaN, as torch's), found in
-    two passes. torch's argmax compares one value at a time (220 us over Gemma 3's 262k logits, 3% of a decode
-    step); amax is vectorised (10 us): the maximum of each block of 1,024, then argmax within the first block
-    that holds the largest (a block holding a NaN has a NaN maximum, which argmax ranks above all)."""
+    two passes. torch's argmax compares one value at a time (over Gemma 3's 262k logits, a few percent of a decode
+    step); amax is vectorised, twenty times faster: the maximum of each block of 1,024, then argmax within the first
+    block that holds the largest (a block holding a NaN has a NaN maximum, which argmax ranks above all)."""
     rows, vocab = x.shape
     blocks = vocab // ARGMAX_BLOCK
     if blocks < 8:

@@ -94,19 +94,26 @@ class Tokenizer:
 
     def min_tokens(self, text: str) -> int:
         """At least how many tokens `text` makes, known without tokenizing it: no token stands for more bytes of
-        text than it decodes to (plus one: a decoder may strip a leading space), as long as the normalizer only
-        lengthens text (none, or replacements by longer strings); else 0."""
+        text than it decodes to (plus one: a decoder may strip a leading space). That holds while the normalizer
+        only lengthens text (none, Prepend, or a String replaced by one at least as long in bytes) and no unknown
+        token swallows what the vocabulary lacks (none, or bytes to fall back on); else the bound is 0."""
         if self._max_token_bytes is None:
-            normalizer = json.loads(self.backend.to_str()).get("normalizer")
+            spec = json.loads(self.backend.to_str())
+            normalizer, model = spec.get("normalizer"), spec.get("model", {})
             steps = [] if normalizer is None else normalizer.get("normalizers", [normalizer])
             lengthens = all(
                 step["type"] == "Prepend"
-                or (step["type"] == "Replace" and len(step["content"]) >= len(next(iter(step["pattern"].values()))))
+                or (
+                    step["type"] == "Replace"
+                    and "String" in step["pattern"]
+                    and len(step["content"].encode()) >= len(step["pattern"]["String"].encode())
+                )
                 for step in steps
             )
+            unknown = model.get("unk_token") is not None and not model.get("byte_fallback", False)
             size = self.backend.get_vocab_size(with_added_tokens=True)
             longest = max(len(self.backend.decode([i], skip_special_tokens=False).encode()) for i in range(size))
-            self._max_token_bytes = longest + 1 if lengthens else 0
+            self._max_token_bytes = longest + 1 if lengthens and not unknown else 0
         return -(-len(text.encode()) // self._max_token_bytes) if self._max_token_bytes else 0
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
