@@ -2,8 +2,8 @@
 
 A live server streams one long completion while /health is polled every 10 ms. Meanwhile, one after another, with
 a quiet second between them: the first structured request since the server started, a 4 MB prompt (refused: its
-bytes alone tell that it is far beyond the context), a 0.5 MB prompt (tokenized, then refused) and a chat request
-with a 40-field JSON schema the server has never seen.
+bytes alone tell that it is far beyond the context), a 0.5 MB prompt (tokenized, then refused), a chat request
+with a 40-field JSON schema the server has never seen, and a control: a window with no request in it.
 Each disturbance lasts from its request's sending until its answer's headers: its input work (parsing, the chat
 template, tokenizing, compiling the grammar, the checks), not its generation. For each: /health's p99 latency
 while it lasts, and the stream's inter-token gaps that overlap it, their p99 against the quiet gaps' p99 (the
@@ -32,6 +32,7 @@ from tokenloop.bench.serve import percentile
 QUIET_S = 3.0  # of stream before the first disturbance and after the last
 PAUSE_S = 1.0  # between disturbances
 HEALTH_EVERY_S = 0.01
+CONTROL_S = 0.05  # a window as long as a disturbance, with nothing in it: how often the machine alone misses
 
 
 @dataclass(slots=True)
@@ -91,9 +92,14 @@ async def _poll_health(client: httpx.AsyncClient, timeline: Timeline, stop: asyn
         await asyncio.sleep(HEALTH_EVERY_S)
 
 
-async def _disturb(client: httpx.AsyncClient, d: Disturbance, method: str, body: dict) -> None:
+async def _disturb(client: httpx.AsyncClient, d: Disturbance, method: str | None, body: dict | None) -> None:
     """Send the request (its JSON encoded beforehand: the client's work is not the server's); the disturbance ends
-    with the answer's headers (a stream is then closed unread)."""
+    with the answer's headers (a stream is then closed unread). No method: a control window, no request at all."""
+    if method is None:
+        d.start = time.perf_counter()
+        await asyncio.sleep(CONTROL_S)
+        d.end = time.perf_counter()
+        return
     content, headers = json.dumps(body).encode(), {"content-type": "application/json"}
     d.start = time.perf_counter()
     async with client.stream("POST", method, content=content, headers=headers) as response:
@@ -115,6 +121,7 @@ async def run(base_url: str, model: str, prompt_mb: float, num_fields: int) -> t
             "/v1/chat/completions",
             structured_body(num_fields, 1, model),
         ),
+        (Disturbance(f"control: {CONTROL_S * 1e3:.0f} ms, no request (*)", goal=False), None, None),
     ]
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
         tasks = [asyncio.create_task(_stream(client, model, timeline, stop))]
