@@ -107,6 +107,7 @@ class AsyncEngine:
         self._ids = 0
         self._heartbeat = time.monotonic()  # the step loop's last sign of life
         self.engine: LLMEngine  # set by the step thread, and used there only
+        self.input_threads = InputThreads()
         built: queue.SimpleQueue = queue.SimpleQueue()  # None once self.engine is set, or why it could not be built
         self._thread = threading.Thread(
             target=self._run, args=(engine_config, built), name="tokenloop-engine", daemon=True
@@ -115,7 +116,6 @@ class AsyncEngine:
         if (error := built.get()) is not None:
             raise error
         self.inputs: InputProcessor = self.engine.input_processor  # thread-safe: used on the input threads
-        self.input_threads = InputThreads()
         self.input_threads.submit(self.inputs.warm)
 
     @property
@@ -257,6 +257,7 @@ class AsyncEngine:
                 self._wakeup.wait(timeout=self.config.stall_timeout_s / 4)  # wakes to keep the heartbeat fresh
                 self._wakeup.clear()
                 continue
+            engine.executor.lend_cores(1 if self.input_threads.busy else 0)  # the input threads' work takes one
             try:
                 outputs = engine.step()
             except Exception as e:  # a failure no request could be blamed for: fail those in flight, go on serving

@@ -45,16 +45,31 @@ class StepResult:
 
 
 class StepExecutor:
-    def __init__(self, runner: ModelRunner, faults: list[FaultInjection], threads_after_compile: int | None) -> None:
+    """The step's CPU threads: `threads`, less a core for each other job of this machine's that the engine knows
+    of, when they are its own choice: the background compile, and (lend_cores) the server's input work. A step's
+    threads meet at a barrier after every parallel region, so one thread that shares its core with other work
+    holds them all up: on two cores a step stalled for a tenth of a second at a time while a prompt was
+    tokenized beside it, and ran undisturbed on one thread."""
+
+    def __init__(self, runner: ModelRunner, faults: list[FaultInjection], threads: int, adaptive: bool) -> None:
         self.runner = runner
         self.faults = faults
-        # The step runs on one core fewer while the background compile takes one (engine/llm_engine.py).
-        self._threads_after_compile = threads_after_compile
+        self.threads = threads
+        self.adaptive = adaptive  # the thread count is the engine's own choice (EngineConfig.threads unset)
+        self.lent = 0  # cores lent to other work for now (AsyncEngine: while its input threads work)
+        self._set_threads()
+
+    def lend_cores(self, n: int) -> None:
+        self.lent = n
+
+    def _set_threads(self) -> None:
+        compiling = self.runner.forward.worker is not None
+        n = max(1, self.threads - (compiling + self.lent if self.adaptive else 0))
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
-        if self._threads_after_compile is not None and self.runner.forward.worker is None:  # the compile has ended
-            torch.set_num_threads(self._threads_after_compile)
-            self._threads_after_compile = None
+        self._set_threads()
         result = StepResult(batch)
         inp = self._prepare(result)
         if inp is not None:

@@ -34,12 +34,22 @@ class InputThreads:
     def __init__(self, workers: int = 2) -> None:
         # Two: a long prompt being tokenized does not hold up the short ones that arrive meanwhile.
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="tokenloop-input", initializer=_lower_priority)
+        self._lock = threading.Lock()
+        self.busy = 0  # jobs submitted and not yet done (the step lends them a core meanwhile)
 
     def submit(self, fn: Callable[..., T], *args) -> Future[T]:
-        return self._pool.submit(fn, *args)
+        with self._lock:
+            self.busy += 1
+        future = self._pool.submit(fn, *args)
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, _: Future) -> None:
+        with self._lock:
+            self.busy -= 1
 
     async def run(self, fn: Callable[..., T], *args) -> T:
-        return await asyncio.wrap_future(self._pool.submit(fn, *args))
+        return await asyncio.wrap_future(self.submit(fn, *args))
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

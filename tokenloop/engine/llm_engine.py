@@ -79,14 +79,8 @@ class LLMEngine:
             eos = set(self.tokenizer.eos_token_ids)
             self.speculator = build_speculator(config, loaded.config.vocab_size, self.max_model_len, eos, num_blocks)
             self.scheduler.on_finish.append(self.speculator.release)
-        # While the background compile runs it takes a core: a step on every core would wait for the one it shares
-        # at every parallel region, and run at a fraction of the speed it keeps on one core fewer.
-        threads_after_compile = None
-        if self.runner.forward.worker is not None and config.threads is None and threads > 1:
-            threads_after_compile = threads
-            torch.set_num_threads(threads - 1)
         faults = [FaultInjection.parse(spec) for spec in config.inject_faults]
-        self.executor = StepExecutor(self.runner, faults, threads_after_compile)
+        self.executor = StepExecutor(self.runner, faults, threads, adaptive=config.threads is None)
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len, self.speculator is not None, faults)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
