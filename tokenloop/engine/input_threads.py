@@ -35,18 +35,23 @@ class InputThreads:
         # Two: a long prompt being tokenized does not hold up the short ones that arrive meanwhile.
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="tokenloop-input", initializer=_lower_priority)
         self._lock = threading.Lock()
-        self.busy = 0  # jobs submitted and not yet done (the step lends them a core meanwhile)
+        # Input work under way: jobs submitted and not done, and what else begin() counts (the server's requests
+        # from their arrival); the step lends it a core meanwhile.
+        self.busy = 0
 
-    def submit(self, fn: Callable[..., T], *args) -> Future[T]:
+    def begin(self) -> None:
         with self._lock:
             self.busy += 1
-        future = self._pool.submit(fn, *args)
-        future.add_done_callback(self._done)
-        return future
 
-    def _done(self, _: Future) -> None:
+    def end(self, _: Future | None = None) -> None:
         with self._lock:
             self.busy -= 1
+
+    def submit(self, fn: Callable[..., T], *args) -> Future[T]:
+        self.begin()
+        future = self._pool.submit(fn, *args)
+        future.add_done_callback(self.end)
+        return future
 
     async def run(self, fn: Callable[..., T], *args) -> T:
         return await asyncio.wrap_future(self.submit(fn, *args))

@@ -28,6 +28,7 @@ from tokenloop.server.errors import (
     install_error_handlers,
     param_of,
 )
+from tokenloop.server.input_work import CountInputWork
 from tokenloop.server.protocol import ChatCompletionRequest, CompletionRequest
 from tokenloop.server.responses import (
     ChoiceIndexer,
@@ -93,6 +94,7 @@ def build_app(
     if api_key is not None:
         app.add_middleware(_RequireAPIKey, api_key=api_key)
     app.add_middleware(LimitBody, max_bytes=int(max_body_mb * 2**20))
+    app.add_middleware(CountInputWork, work=engine.input_threads)
     app.add_middleware(CatchAll)  # added last: outermost, it also covers the key check and the body limit
     context = (max_model_len - 1, f"the context is {max_model_len} tokens, the prompt at least one")
     bounds = {
