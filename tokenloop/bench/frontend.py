@@ -8,9 +8,8 @@ Each disturbance lasts from its request's sending until its answer's headers: it
 template, tokenizing, compiling the grammar, the checks), not its generation. For each: /health's p99 latency
 while it lasts, and the stream's inter-token gaps that overlap it, their p99 against the quiet gaps' p99 (the
 same stream before the first disturbance and after the last). The goals (/health p99 <= 50 ms, gap p99 within
-1.5x of quiet) are checked on the first, the 4 MB prompt and the schema; the 0.5 MB prompt is reported beside
-them: while it is tokenized, on a thread of lowest priority without the GIL, the step still stalls now and then
-for a tenth of a second, in-process (a busy process beside the server leaves it alone).
+1.5x of quiet) are checked on issue 31's three: the first, the 4 MB prompt and the schema; the 0.5 MB prompt, the
+one that is tokenized, and the control are reported beside them.
 """
 
 from __future__ import annotations
