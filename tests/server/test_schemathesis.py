@@ -40,6 +40,9 @@ CROSS_FIELD_RULES = (
     "self_consistency: ",
     "self_consistency.answer",
     "self_consistency takes one prompt",
+    # what the chat template makes of the last message (/tokenize: a conversation to continue)
+    "continue_final_message: the last message has no content to continue",
+    "continue_final_message: the template does not write the last message's content as it is",
 )
 
 

@@ -42,6 +42,7 @@ from tokenloop.server.responses import (
     legacy_logprobs,
     prompt_logprobs,
 )
+from tokenloop.server.tokenize import add_tokenizer_routes
 from tokenloop.strategies.self_consistency import AnswerSpec, VoteCounter
 
 DEFAULT_MAX_N = 128  # OpenAI's own bound on n
@@ -136,6 +137,8 @@ def build_app(
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{model_name}`.", "model")
+
+    add_tokenizer_routes(app, engine, check_model)
 
     def meta_of(prefix: str, kind: str) -> dict:
         return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": model_name}
@@ -564,7 +567,7 @@ def _openapi(app: FastAPI, bounds: dict[str, int], max_model_len: int, vocab_siz
                     for integer in _integer_schemas(schema_of_field):
                         integer["maximum"] = bounds[field]
         prompt = components["CompletionRequest"]["properties"]["prompt"]
-        token_fields = [prompt] + [
+        token_fields = [prompt, components["DetokenizeRequest"]["properties"]["tokens"]] + [
             components[name]["properties"]["allowed_token_ids"]
             for name in ("CompletionRequest", "ChatCompletionRequest")
         ]
