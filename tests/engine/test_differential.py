@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+import torch
 
 from tests.helpers import build_llm
 from tokenloop import LLM, BeamSearchParams, SamplingParams
@@ -202,6 +203,23 @@ def test_a_request_in_a_batch_of_64_arriving_and_finishing_around_it_gets_its_to
     got = run(llm, batch, arrivals)
     assert_same([got[i] for i in where], alone)
     assert llm.llm_engine.scheduler.num_preemptions == 0  # preemption is a case of its own
+
+
+def test_a_core_lent_to_input_work_every_other_step_changes_no_token_or_logprob(make_llm, case, alone, monkeypatch):
+    """The server's step runs on one core fewer while input work is under way (engine/executor.py): a batch whose
+    thread count changes from step to step gives each request its tokens (on one core the count stays 1)."""
+    llm = make_llm(case.path, dtype=case.dtype, threads=None)  # the engine's own choice: it lends
+    executor, step, counts = llm.llm_engine.executor, llm.llm_engine.step, []
+
+    def lending_step():
+        executor.lend_cores(len(counts) % 2)
+        out = step()
+        counts.append(torch.get_num_threads())
+        return out
+
+    monkeypatch.setattr(llm.llm_engine, "step", lending_step)
+    assert_same(run(llm, REQUESTS), alone)
+    assert len(set(counts)) == min(2, executor.threads)  # it did change, where there are cores to lend
 
 
 def test_prefix_caching_off_changes_no_token_or_logprob(make_llm, case, alone):
