@@ -64,7 +64,7 @@ class Request:
     def on_samples(self, seq: Sequence, samples: StepSamples, rows: range, out: OutputProcessor) -> None:
         """A sampling sequence's tokens: appended one by one (a stop among a draft's accepted tokens drops the
         ones after it)."""
-        completion = self.completions[int(seq.seq_id.rpartition("/")[2])]
+        completion = self.completions[seq.index]
         for row in rows:
             out.append(completion, samples, row)
             if completion.finished:

@@ -58,6 +58,11 @@ class Sequence:
         return self.seq_id.rpartition("/")[0]
 
     @property
+    def index(self) -> int:
+        """Its place among its request's sequences (the completion's index; a beam's id)."""
+        return int(self.seq_id.rpartition("/")[2])
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
