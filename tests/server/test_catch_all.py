@@ -7,13 +7,13 @@ import asyncio
 import httpx
 from fastapi import FastAPI
 
-from tokenloop.server.errors import CatchAll, install_error_handlers
+from tokenloop.server.errors import CatchAll, ErrorShapes, install_error_handlers
 
 
 def test_an_exception_escaping_a_route_is_a_json_500():
     app = FastAPI()
-    install_error_handlers(app)
-    app.add_middleware(CatchAll)
+    install_error_handlers(app, ErrorShapes())
+    app.add_middleware(CatchAll, shapes=ErrorShapes())
 
     @app.get("/boom")
     async def boom():

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
@@ -23,11 +22,12 @@ from tokenloop.server.errors import (
     ERROR_RESPONSES,
     APIError,
     CatchAll,
+    ErrorShapes,
     error_body,
-    error_response,
     install_error_handlers,
     param_of,
 )
+from tokenloop.server.generation import Generation, sse, until_disconnected
 from tokenloop.server.input_work import CountInputWork
 from tokenloop.server.protocol import ChatCompletionRequest, CompletionRequest
 from tokenloop.server.responses import (
@@ -66,17 +66,18 @@ _GENERATION_RESPONSES = ERROR_RESPONSES | {
 
 
 class _RequireAPIKey:
-    """401 on /v1 routes without 'Authorization: Bearer KEY'. Plain ASGI on purpose: under Starlette's
-    BaseHTTPMiddleware (@app.middleware) Request.is_disconnected() never turns true, so a non-streamed
-    request whose client left would run to its end."""
+    """401 on /v1 routes without 'Authorization: Bearer KEY' or 'x-api-key: KEY' (Anthropic's header). Plain ASGI
+    on purpose: under Starlette's BaseHTTPMiddleware (@app.middleware) Request.is_disconnected() never turns true,
+    so a non-streamed request whose client left would run to its end."""
 
-    def __init__(self, app, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+    def __init__(self, app, api_key: str, shapes: ErrorShapes) -> None:
+        self.app, self.bearer, self.key, self.shapes = app, f"Bearer {api_key}".encode(), api_key.encode(), shapes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            if dict(scope["headers"]).get(b"authorization") != self.expected:
-                await error_response(401, "invalid or missing API key")(scope, receive, send)
+            headers = dict(scope["headers"])
+            if headers.get(b"authorization") != self.bearer and headers.get(b"x-api-key") != self.key:
+                await self.shapes.response(scope["path"], 401, "invalid or missing API key")(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -89,14 +90,16 @@ def build_app(
     max_body_mb: float = DEFAULT_MAX_BODY_MB,
 ) -> FastAPI:
     app = FastAPI(title="tokenloop", docs_url=None, redoc_url=None)
+    generation = Generation(engine, model_name)
     inputs = engine.inputs  # prompts are processed on the engine's input threads (engine.input_threads)
     max_model_len = inputs.max_model_len
-    install_error_handlers(app)
+    shapes = ErrorShapes()
+    install_error_handlers(app, shapes)
     if api_key is not None:
-        app.add_middleware(_RequireAPIKey, api_key=api_key)
-    app.add_middleware(LimitBody, max_bytes=int(max_body_mb * 2**20))
+        app.add_middleware(_RequireAPIKey, api_key=api_key, shapes=shapes)
+    app.add_middleware(LimitBody, max_bytes=int(max_body_mb * 2**20), shapes=shapes)
     app.add_middleware(CountInputWork, work=engine.input_threads)
-    app.add_middleware(CatchAll)  # added last: outermost, it also covers the key check and the body limit
+    app.add_middleware(CatchAll, shapes=shapes)  # added last: outermost, it also covers the key check and body limit
     context = (max_model_len - 1, f"the context is {max_model_len} tokens, the prompt at least one")
     bounds = {
         "n": (max_n, "the server's --max-n"),
@@ -134,10 +137,7 @@ def build_app(
         }
         return {"object": "list", "data": [card]}
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise APIError(404, f"The model `{name}` does not exist; this server serves `{model_name}`.", "model")
-
+    check_model = generation.check_model
     add_tokenizer_routes(app, engine, check_model)
 
     def meta_of(prefix: str, kind: str) -> dict:
@@ -154,17 +154,9 @@ def build_app(
     async def start_streams(
         prompts: list, params: SamplingParams | BeamSearchParams, body: CompletionRequest | ChatCompletionRequest
     ) -> list[AsyncIterator[RequestOutput]]:
-        """Process every prompt before starting any, so that a bad one leaves nothing running."""
-        try:  # 503 while draining, 429 when too many wait
-            processed = await engine.admit_and_process(prompts, params)
-        except ValueError as e:
-            message = str(e)
-            if (
-                message.startswith("structured_outputs.json") and body.response_format is not None
-            ):  # the schema the client sent
-                message = message.replace("structured_outputs.json", "response_format.json_schema.schema", 1)
-            raise APIError(400, message, param_of(message) or "prompt") from None
-        return [engine.generate(p) for p in processed]
+        # a bad schema is named as the client sent it
+        renamed = {"structured_outputs.json": "response_format.json_schema.schema"} if body.response_format else None
+        return await generation.start(prompts, params, renamed)
 
     @app.post("/v1/completions", responses=_GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -220,8 +212,8 @@ def build_app(
             return text, legacy_logprobs(out.prompt_token_ids, out.prompt_logprobs, body.logprobs, 0, first)
 
         if body.stream:
-            return _sse(_completion_chunks(streams, params, body, meta, echoed))
-        outs = await _until_disconnected(request, _collect(streams))
+            return sse(_completion_chunks(streams, params, body, meta, echoed), error_body)
+        outs = await generation.collect(request, streams)
         usage, choices = Usage(), []
         for i, out in enumerate(outs):
             usage.add(out)
@@ -248,20 +240,8 @@ def build_app(
         check_bounds(body)
         params = _params(lambda: body.sampling_params(body.effective_max_tokens(), body.effective_logprobs()))
         tools = _params(body.tool_calling)
-        if tools is not None:
-            try:
-                await engine.input_threads.run(lambda: tools.check(inputs.grammars()))
-            except ValueError as e:
-                raise APIError(400, str(e), param_of(str(e))) from None
-        try:
-            messages = [m.as_template_message() for m in body.messages]
-            prompt = await engine.input_threads.run(
-                inputs.chat, messages, body.add_generation_prompt, tools, body.continue_final_message
-            )
-        except ValueError as e:
-            raise APIError(
-                400, str(e), "continue_final_message" if str(e).startswith("continue_final_message") else "messages"
-            ) from None
+        messages = [m.as_template_message() for m in body.messages]
+        prompt = await generation.chat_prompt(messages, tools, body.add_generation_prompt, body.continue_final_message)
         vote = _params(body.answer_spec)
         if vote is not None:
             params = vote.params(params, body.n)
@@ -284,10 +264,11 @@ def build_app(
             )
         may_call_tools = tools is not None and tools.constrained
         if body.stream:
-            return _sse(
-                _chat_chunks(streams[0], params, body, meta | {"object": "chat.completion.chunk"}, may_call_tools)
+            return sse(
+                _chat_chunks(streams[0], params, body, meta | {"object": "chat.completion.chunk"}, may_call_tools),
+                error_body,
             )
-        (out,) = await _until_disconnected(request, _collect(streams))
+        (out,) = await generation.collect(request, streams)
         usage = Usage()
         usage.add(out)
         choices = []
@@ -326,7 +307,7 @@ async def _voted(
             await stream.aclose()
         return out
 
-    last = await _until_disconnected(request, count())
+    last = await until_disconnected(request, count())
     result = counter.result()
     usage = Usage()
     usage.add(last)
@@ -349,19 +330,6 @@ def _params(make) -> SamplingParams:
         raise APIError(400, str(e), param_of(str(e))) from None
 
 
-async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
-    async def last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
-        out = None
-        async for out in stream:
-            pass
-        return out
-
-    try:
-        return list(await asyncio.gather(*(last(s) for s in streams)))
-    except RequestFailed as e:
-        raise APIError(500, f"the engine failed this request: {e}") from None
-
-
 async def _best_of(stream: AsyncIterator[RequestOutput], n: int) -> AsyncIterator[RequestOutput]:
     """The last output only, keeping its n completions of highest cumulative logprob, renumbered 0..n-1."""
     out = None
@@ -369,21 +337,6 @@ async def _best_of(stream: AsyncIterator[RequestOutput], n: int) -> AsyncIterato
         pass
     best = sorted(out.outputs, key=lambda c: -c.cumulative_logprob)[:n]
     yield dataclasses.replace(out, outputs=[dataclasses.replace(c, index=i) for i, c in enumerate(best)])
-
-
-async def _until_disconnected(request: Request, coro):
-    """Run `coro`, cancelling it (which aborts its requests) if the client goes away first."""
-    task = asyncio.ensure_future(coro)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                raise APIError(499, "client disconnected")
-    finally:
-        task.cancel()
 
 
 async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -417,20 +370,6 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
     finally:
         for t in tasks:
             t.cancel()
-
-
-def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
-    async def body() -> AsyncIterator[str]:
-        try:
-            async for chunk in chunks:
-                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-        except APIError as e:
-            yield f"data: {json.dumps(error_body(e.status, e.message, e.param))}\n\n"
-        except Exception as e:  # the stream has started: report in-band, the server goes on
-            yield f"data: {json.dumps(error_body(500, str(e)))}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(body(), media_type="text/event-stream")
 
 
 async def _choice_updates(

@@ -1,4 +1,4 @@
-"""A bound on request bodies: past it, a 413 in OpenAI's error shape, without reading the rest of the body.
+"""A bound on request bodies: past it, a 413 in the path's error shape, without reading the rest of the body.
 
 A declared Content-Length over the bound is refused before a byte of the body is read; a chunked body is counted
 as it arrives and refused as soon as it crosses the bound. Plain ASGI, like the server's other middleware.
@@ -6,17 +6,18 @@ as it arrives and refused as soon as it crosses the bound. Plain ASGI, like the 
 
 from __future__ import annotations
 
-from tokenloop.server.errors import error_response
+from tokenloop.server.errors import ErrorShapes
 
 DEFAULT_MAX_BODY_MB = 8.0
 
 
 class LimitBody:
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, shapes: ErrorShapes) -> None:
+        self.app, self.max_bytes, self.shapes = app, max_bytes, shapes
 
-    def _refusal(self):
-        return error_response(
+    def _refusal(self, path: str):
+        return self.shapes.response(
+            path,
             413,
             f"the request body is larger than the server's limit of {self.max_bytes} bytes (--max-body-mb)",
             headers={"Connection": "close"},
@@ -28,7 +29,7 @@ class LimitBody:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refusal()(scope, receive, send)
+            await self._refusal(scope["path"])(scope, receive, send)
             return
         if declared is not None:  # the server (h11) stops the body at its declared length
             await self.app(scope, receive, send)
@@ -43,7 +44,7 @@ class LimitBody:
                 break
             received += len(message.get("body", b""))
             if received > self.max_bytes:
-                await self._refusal()(scope, receive, send)
+                await self._refusal(scope["path"])(scope, receive, send)
                 return
             if not message.get("more_body", False):
                 break

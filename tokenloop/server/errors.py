@@ -1,12 +1,15 @@
-"""Errors in OpenAI's shape, for every way a request can fail: bad input (400), key (401), route or model (404),
-method (405, with Allow), a body over the limit (413), too many waiting (429, with Retry-After), shutting down or
-stalled (503), and a bug (500)."""
+"""Errors for every way a request can fail: bad input (400), key (401), route or model (404), method (405, with
+Allow), a body over the limit (413), too many waiting (429, with Retry-After), shutting down or stalled (503), and a
+bug (500). In OpenAI's shape, or in the shape of the API a path belongs to (ErrorShapes: Anthropic's for
+/v1/messages), whichever part of the server refuses it."""
 
 from __future__ import annotations
 
 import json
 import logging
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -59,7 +62,27 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
+    """OpenAI's error shape."""
     return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "error"), "param": param, "code": status}}
+
+
+ErrorBody = Callable[[int, str, str | None], dict]  # (status, message, param) -> the body
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorShapes:
+    """The error body a path answers with: OpenAI's, unless one of `by_prefix` (path prefix, body) claims it."""
+
+    by_prefix: tuple[tuple[str, ErrorBody], ...] = ()
+
+    def body(self, path: str, status: int, message: str, param: str | None = None) -> dict:
+        shape = next((shape for prefix, shape in self.by_prefix if path.startswith(prefix)), error_body)
+        return shape(status, message, param)
+
+    def response(
+        self, path: str, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+    ) -> JSONResponse:
+        return _ASCIIJSONResponse(self.body(path, status, message, param), status_code=status, headers=headers)
 
 
 class _ASCIIJSONResponse(JSONResponse):
@@ -67,12 +90,6 @@ class _ASCIIJSONResponse(JSONResponse):
 
     def render(self, content) -> bytes:
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
-
-
-def error_response(
-    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
-) -> JSONResponse:
-    return _ASCIIJSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
 def param_of(message: str) -> str | None:
@@ -87,8 +104,8 @@ class CatchAll:
     Starlette's ServerErrorMiddleware the exception would be re-raised to uvicorn, which then drops the
     keep-alive connection without saying `Connection: close`."""
 
-    def __init__(self, app) -> None:
-        self.app = app
+    def __init__(self, app, shapes: ErrorShapes) -> None:
+        self.app, self.shapes = app, shapes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -107,24 +124,30 @@ class CatchAll:
             logger.exception("request to %s failed", scope.get("path"))
             if started:  # too late for a status: the connection must close, as HTTP has no other way to say it
                 raise
-            await error_response(500, f"internal error: {type(e).__name__}: {e}")(scope, receive, send)
+            await self.shapes.response(scope["path"], 500, f"internal error: {type(e).__name__}: {e}")(
+                scope, receive, send
+            )
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, shapes: ErrorShapes) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return error_response(e.status, e.message, e.param, e.headers)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return shapes.response(request.url.path, e.status, e.message, e.param, e.headers)
 
     @app.exception_handler(EngineBusy)
-    async def _busy(_: Request, e: EngineBusy) -> JSONResponse:
-        return error_response(429, f"too many requests: {e}; retry later", None, {"Retry-After": str(RETRY_AFTER_S)})
+    async def _busy(request: Request, e: EngineBusy) -> JSONResponse:
+        message, headers = f"too many requests: {e}; retry later", {"Retry-After": str(RETRY_AFTER_S)}
+        return shapes.response(request.url.path, 429, message, None, headers)
 
     @app.exception_handler(EngineDraining)
-    async def _draining(_: Request, e: EngineDraining) -> JSONResponse:
-        return error_response(503, str(e), None, {"Connection": "close"})
+    async def _draining(request: Request, e: EngineDraining) -> JSONResponse:
+        return shapes.response(request.url.path, 503, str(e), None, {"Connection": "close"})
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+            return shapes.response(request.url.path, status, message, param)
+
         err = e.errors()[0] if e.errors() else {}
         if err.get("type") == "json_invalid":  # its loc is a character offset, not a field
             return error_response(400, f"invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
@@ -137,5 +160,5 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(400, message, loc[0] if loc else None)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return error_response(e.status_code, str(e.detail), None, e.headers)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return shapes.response(request.url.path, e.status_code, str(e.detail), None, e.headers)

@@ -1,0 +1,147 @@
+"""What every generating route shares, whatever API it speaks (OpenAI's completions, chat and responses,
+Anthropic's messages): a conversation made into a prompt, prompts admitted and processed into streams of
+RequestOutputs, a reply collected unless the client leaves, and events sent as server-sent events.
+
+Each API's module is a translation: its body into messages, a ToolCalling and SamplingParams, through here into
+the engine's InputProcessor, and RequestOutputs back into its own reply. Validation, templating, tool parsing and
+grammars live once, behind this.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from tokenloop.engine.async_engine import AsyncEngine, RequestFailed
+from tokenloop.engine.beam_search import BeamSearchParams
+from tokenloop.engine.input_processor import InputProcessor, Prompt
+from tokenloop.outputs import RequestOutput
+from tokenloop.sampling.params import SamplingParams
+from tokenloop.server.errors import APIError, param_of
+from tokenloop.tools.calling import ToolCalling
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    engine: AsyncEngine
+    model_name: str
+
+    @property
+    def inputs(self) -> InputProcessor:
+        return self.engine.inputs
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.", "model")
+
+    async def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        tools: ToolCalling | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        messages_field: str = "messages",
+    ) -> dict[str, Any]:
+        """A conversation (template messages, OpenAI chat's shape) through the chat template, with its tools
+        checked and rendered: a prompt dict for start(). A 400 names the field at fault."""
+        inputs = self.engine.inputs
+        if tools is not None:
+            try:
+                await self.engine.input_threads.run(lambda: tools.check(inputs.grammars()))
+            except ValueError as e:
+                raise APIError(400, str(e), param_of(str(e))) from None
+        try:
+            return await self.engine.input_threads.run(
+                inputs.chat, messages, add_generation_prompt, tools, continue_final_message
+            )
+        except ValueError as e:
+            message = str(e)
+            field = "continue_final_message" if message.startswith("continue_final_message") else messages_field
+            raise APIError(400, message, field) from None
+
+    async def start(
+        self,
+        prompts: list[Prompt],
+        params: SamplingParams | BeamSearchParams,
+        renamed: dict[str, str] | None = None,
+    ) -> list[AsyncIterator[RequestOutput]]:
+        """Process every prompt before starting any, so that a bad one leaves nothing running: 503 while draining,
+        429 when too many wait, 400 naming the field. `renamed` maps a message's leading field (SamplingParams'
+        name) to the one the client sent (its API's name)."""
+        try:
+            processed = await self.engine.admit_and_process(prompts, params)
+        except ValueError as e:
+            message = str(e)
+            for ours, theirs in (renamed or {}).items():
+                if message.startswith(ours):
+                    message = theirs + message[len(ours) :]
+                    break
+            raise APIError(400, message, param_of(message) or "prompt") from None
+        return [self.engine.generate(p) for p in processed]
+
+    async def collect(self, request: Request, streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+        """Each stream's last output, or a 499 (and its requests aborted) when the client leaves first."""
+        return await until_disconnected(request, _last_outputs(streams))
+
+
+async def _last_outputs(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    async def last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+        out = None
+        async for out in stream:
+            pass
+        return out
+
+    try:
+        return list(await asyncio.gather(*(last(s) for s in streams)))
+    except RequestFailed as e:
+        raise APIError(500, f"the engine failed this request: {e}") from None
+
+
+async def until_disconnected(request: Request, coro):
+    """Run `coro`, cancelling it (which aborts its requests) if the client goes away first."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise APIError(499, "client disconnected")
+    finally:
+        task.cancel()
+
+
+def sse(
+    events: AsyncIterator[dict],
+    error_event: Callable[[int, str, str | None], dict],
+    named: bool = False,
+    done: bool = True,
+) -> StreamingResponse:
+    """Server-sent events: each dict as a `data:` line (`named`: after an `event:` line with its "type", as the
+    Responses and Messages APIs send them). A failure once the stream has started is reported in-band as
+    error_event(status, message, param), and the server goes on; `done` ends the stream with `data: [DONE]`
+    (OpenAI's chat and completions)."""
+
+    def frame(event: dict) -> str:
+        data = f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+        return f"event: {event['type']}\n{data}" if named else data
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield frame(event)
+        except APIError as e:
+            yield frame(error_event(e.status, e.message, e.param))
+        except Exception as e:
+            yield frame(error_event(500, str(e), None))
+        if done:
+            yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")
