@@ -23,8 +23,20 @@ from tokenloop.engine.beam_search import BeamSearchParams
 from tokenloop.engine.input_processor import InputProcessor, Prompt
 from tokenloop.outputs import RequestOutput
 from tokenloop.sampling.params import SamplingParams
-from tokenloop.server.errors import APIError, param_of
+from tokenloop.server.errors import ERROR_RESPONSES, APIError, param_of
 from tokenloop.tools.calling import ToolCalling
+
+GENERATION_RESPONSES = ERROR_RESPONSES | {
+    200: {
+        "description": "the reply, or with stream: true a stream of server-sent events",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {
+                "schema": {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
+            },
+        },
+    },
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +128,39 @@ async def until_disconnected(request: Request, coro):
                 raise APIError(499, "client disconnected")
     finally:
         task.cancel()
+
+
+async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's index."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except Exception as e:
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 def sse(
