@@ -22,6 +22,7 @@ from tokenloop.server.errors import (
 )
 from tokenloop.server.generation import Generation
 from tokenloop.server.input_work import CountInputWork
+from tokenloop.server.openai_responses import add_responses_routes
 from tokenloop.server.openai_shared import Bounds
 from tokenloop.server.tokenize import add_tokenizer_routes
 
@@ -99,6 +100,7 @@ def build_app(
     add_tokenizer_routes(app, engine, generation.check_model)
     add_completions_routes(app, generation, bounds)
     add_chat_routes(app, generation, bounds)
+    add_responses_routes(app, generation)
     return app
 
 

@@ -76,8 +76,9 @@ def find_surrogate(value: Any, path: str) -> str | None:
 
 class _Request(BaseModel):
     # Unknown fields are ignored, as vLLM does (clients send vendor extensions freely), except the known ones
-    # in _UNSUPPORTED, which would change the result.
+    # in `unsupported` (each API its own table), which would change the result.
     model_config = ConfigDict(extra="allow", **_STRICT)
+    unsupported: ClassVar[dict[str, tuple]] = _UNSUPPORTED
 
     @model_validator(mode="before")
     @classmethod
@@ -92,11 +93,11 @@ class _Request(BaseModel):
     @model_validator(mode="after")
     def _no_unsupported_fields(self) -> _Request:
         for name, value in (self.model_extra or {}).items():
-            if name in _UNSUPPORTED and not any(
-                value == neutral and type(value) is type(neutral) for neutral in _UNSUPPORTED[name]
+            if name in self.unsupported and not any(
+                value == neutral and type(value) is type(neutral) for neutral in self.unsupported[name]
             ):
                 raise ValueError(f"{name}: not supported yet")
-            if name not in _UNSUPPORTED:
+            if name not in self.unsupported:
                 logger.warning("ignoring the request field %r: this server does not know it", name)
         return self
 
