@@ -172,10 +172,8 @@ def test_store_false_is_not_kept_and_unknown_ids_are_404(client):
     with pytest.raises(openai.NotFoundError) as e:
         client.responses.create(model=MODEL_NAME, input="Hi", max_output_tokens=2, previous_response_id="resp_none")
     assert e.value.body["param"] == "previous_response_id"
-    kept = client.responses.create(model=MODEL_NAME, input="Hi", max_output_tokens=2, temperature=0)
-    client.responses.delete(kept.id)
     with pytest.raises(openai.NotFoundError):
-        client.responses.retrieve(kept.id)
+        client.responses.retrieve("resp_none")
 
 
 UNSUPPORTED = {
@@ -315,3 +313,14 @@ def test_agents_sdk_runs_an_agent_with_one_function_tool(real_server):
     assert [item.type for item in plain.new_items] == ["tool_call_item", "tool_call_output_item", "message_output_item"]
     assert isinstance(plain.final_output, str) and plain.final_output
     assert streamed.final_output == plain.final_output
+
+
+def test_the_store_evicts_the_least_recently_used_response():
+    from tokenloop.server.response_store import ResponseStore, StoredResponse
+
+    store = ResponseStore(capacity=2)
+    for name in ("a", "b"):
+        store.put(name, StoredResponse({"id": name}, []))
+    assert store.get("a") is not None  # a is now the most recently used
+    store.put("c", StoredResponse({"id": "c"}, []))
+    assert [store.get(name) is not None for name in ("a", "b", "c")] == [True, False, True] and len(store) == 2

@@ -40,6 +40,11 @@ CROSS_FIELD_RULES = (
     "self_consistency: ",
     "self_consistency.answer",
     "self_consistency takes one prompt",
+    # the Responses API: a text.format schema or a tool's parameters llguidance cannot compile (named as that API
+    # names them), and an input function_call whose arguments string is not JSON text (a schema cannot say so)
+    "text.format.schema: ",
+    "].parameters: ",
+    "a tool call's arguments are not JSON",
     # what the chat template makes of the last message (/tokenize: a conversation to continue)
     "continue_final_message: the last message has no content to continue",
     "continue_final_message: the template does not write the last message's content as it is",

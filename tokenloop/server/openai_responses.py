@@ -1,4 +1,5 @@
-"""OpenAI's Responses API: POST /v1/responses (streamed as named events or not), GET and DELETE of a stored one.
+"""OpenAI's Responses API: POST /v1/responses (streamed as named events or not), GET /v1/responses/{id} of a stored
+one. (No DELETE: a second route on the same path makes Starlette's 405 list only the first route's methods.)
 
 A translation, as chat is: the body's items become chat template messages (an earlier stored response's
 conversation first), its tools a ToolCalling and its options SamplingParams, all through Generation; the
@@ -60,12 +61,6 @@ _CREATE_RESPONSES = ERROR_RESPONSES | {
 }
 # Our messages' leading field (SamplingParams' or chat's name) -> the Responses API's.
 _RENAMED = {"max_tokens": "max_output_tokens", "structured_outputs.json": "text.format.schema"}
-
-
-class Deleted(BaseModel):
-    id: str
-    object: str
-    deleted: bool
 
 
 def _id(prefix: str) -> str:
@@ -187,7 +182,7 @@ def _response(body: ResponsesRequest, meta: dict, output: list[dict], out: Reque
     finish = out.outputs[0].finish_reason if out is not None else None
     status = "in_progress" if out is None else "incomplete" if finish == "length" else "completed"
     choice = body.tool_choice
-    fmt = body.text.format if body.text is not None and body.text.format is not None else None
+    fmt = body.text.format if body.text is not None else None
     response = ResponseBody.model_validate(
         meta
         | {
@@ -204,9 +199,7 @@ def _response(body: ResponsesRequest, meta: dict, output: list[dict], out: Reque
             "top_p": 1.0 if body.top_p is None else body.top_p,
             "tool_choice": choice.model_dump() if isinstance(choice, BaseModel) else choice or "auto",
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
-            "text": {"format": {"name": "response"} | fmt.model_dump(by_alias=True, exclude_none=True)}
-            if fmt is not None and fmt.type == "json_schema"
-            else {"format": {"type": fmt.type if fmt is not None else "text"}},
+            "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
             "truncation": "disabled",
             "usage": _usage(out) if out is not None else None,
             "user": body.user,
@@ -269,12 +262,6 @@ def add_responses_routes(app: FastAPI, generation: Generation, stored: int = DEF
         if stored is None:
             raise APIError(404, f"No response with id '{response_id}' is stored.", "response_id")
         return stored.body
-
-    @app.delete("/v1/responses/{response_id}", responses=ERROR_RESPONSES)
-    async def delete_response(response_id: str) -> Deleted:
-        if not store.delete(response_id):
-            raise APIError(404, f"No response with id '{response_id}' is stored.", "response_id")
-        return Deleted(id=response_id, object="response", deleted=True)
 
 
 def _renamed(e: APIError) -> APIError:

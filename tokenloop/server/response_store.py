@@ -39,8 +39,5 @@ class ResponseStore:
         while len(self._by_id) > self.capacity:
             self._by_id.popitem(last=False)
 
-    def delete(self, response_id: str) -> bool:
-        return self._by_id.pop(response_id, None) is not None
-
     def __len__(self) -> int:
         return len(self._by_id)

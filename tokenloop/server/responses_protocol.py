@@ -62,15 +62,27 @@ class FunctionCallOutputItem(_Item):
 InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
 
 
-class TextFormat(BaseModel):
-    """text.format: free text, any JSON object, or JSON following a schema."""
+class PlainText(BaseModel):
+    model_config = ConfigDict(extra="forbid", **_STRICT)
+    type: Literal["text"]
 
+
+class JsonObject(BaseModel):
+    model_config = ConfigDict(extra="forbid", **_STRICT)
+    type: Literal["json_object"]
+
+
+class JsonSchema(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True, **_STRICT)
-    type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    type: Literal["json_schema"]
+    name: str = "response"
+    schema_: dict[str, Any] = Field(alias="schema")
     strict: bool | None = None
     description: str | None = None
+
+
+# text.format: free text, any JSON object, or JSON following a schema
+TextFormat = Annotated[PlainText | JsonObject | JsonSchema, Field(discriminator="type")]
 
 
 class TextConfig(BaseModel):
@@ -149,13 +161,9 @@ class ResponsesRequest(_Request):
 
     def structured(self) -> StructuredOutputsParams | None:
         fmt = self.text.format if self.text is not None else None
-        if fmt is None or fmt.type == "text":
-            return None
-        if fmt.type == "json_object":
-            return StructuredOutputsParams(json_object=True)
-        if fmt.schema_ is None:
-            raise ValueError("text.format: type json_schema needs schema")
-        return StructuredOutputsParams(json=fmt.schema_)
+        if isinstance(fmt, JsonSchema):
+            return StructuredOutputsParams(json=fmt.schema_)
+        return StructuredOutputsParams(json_object=True) if isinstance(fmt, JsonObject) else None
 
     def sampling_params(self, tools: ToolCalling | None) -> SamplingParams:
         """Raises ValueError naming the field (SamplingParams' name) for values out of range."""
