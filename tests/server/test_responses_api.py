@@ -98,6 +98,27 @@ def test_seeded_sample_equals_chat_with_the_same_seed(client):
     assert r.output_text == c.choices[0].message.content != greedy.output_text
 
 
+SMALL = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+FORMATS = {  # text.format -> chat's response_format
+    "json_object": ({"type": "json_object"}, {"type": "json_object"}),
+    "json_schema": (
+        {"type": "json_schema", "name": "small", "schema": SMALL, "strict": True},
+        {"type": "json_schema", "json_schema": {"name": "small", "schema": SMALL, "strict": True}},
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FORMATS))
+def test_text_format_constrains_as_chats_response_format_does(client, kind):
+    text_format, response_format = FORMATS[kind]
+    r = client.responses.create(
+        model=MODEL_NAME, input="Hi", max_output_tokens=24, temperature=0, text={"format": text_format}
+    )
+    c = chat(client, [{"role": "user", "content": "Hi"}], max_tokens=24, temperature=0, response_format=response_format)
+    assert r.output_text == c.choices[0].message.content and r.output_text.startswith("{")
+    assert r.text.format.type == kind
+
+
 def test_stream_sends_the_sdks_events_in_order_and_ends_with_the_non_streamed_response(client):
     kw = {"model": MODEL_NAME, "input": STOPS, "max_output_tokens": 60, "temperature": 0}
     with client.responses.stream(**kw) as stream:
@@ -220,6 +241,9 @@ def test_bad_values_name_the_responses_field(client):
         "max_output_tokens": {"max_output_tokens": 1000},  # beyond the 256-token context
         "input": {"input": [{"role": "tool", "content": "x"}]},
         "temperature": {"temperature": 3},
+        "text.format": {  # a lookbehind: no grammar can honour it
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}}}
+        },
         "tool_choice": {"tool_choice": {"type": "function", "name": "f"}, "tools": [{"type": "function", "name": "g"}]},
     }
     for field, body in cases.items():
