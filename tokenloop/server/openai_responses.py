@@ -43,22 +43,11 @@ from pydantic import BaseModel
 from tokenloop.engine.async_engine import RequestFailed
 from tokenloop.outputs import CompletionOutput, RequestOutput
 from tokenloop.server.errors import ERROR_RESPONSES, APIError, error_body, param_of
-from tokenloop.server.generation import Generation, sse
+from tokenloop.server.generation import GENERATION_RESPONSES, Generation, sse
 from tokenloop.server.response_store import DEFAULT_STORED_RESPONSES, ResponseStore, StoredResponse
 from tokenloop.server.responses import ToolCallStream
 from tokenloop.server.responses_protocol import ResponsesRequest, template_messages
 
-_CREATE_RESPONSES = ERROR_RESPONSES | {
-    200: {
-        "description": "the response, or with stream: true a stream of named server-sent events",
-        "content": {
-            "application/json": {"schema": {"type": "object"}},
-            "text/event-stream": {
-                "schema": {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
-            },
-        },
-    },
-}
 # Our messages' leading field (SamplingParams' or chat's name) -> the Responses API's.
 _RENAMED = {"max_tokens": "max_output_tokens", "structured_outputs.json": "text.format.schema"}
 
@@ -221,7 +210,7 @@ def add_responses_routes(app: FastAPI, generation: Generation, stored: int = DEF
         if body.store is not False:
             store.put(response["id"], StoredResponse(response, history + new + template_messages(response["output"])))
 
-    @app.post("/v1/responses", responses=_CREATE_RESPONSES)
+    @app.post("/v1/responses", responses=GENERATION_RESPONSES)
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         generation.check_model(body.model)
         history: list[dict] = []
