@@ -1,5 +1,5 @@
 """The HTTP server: builds the app, its middleware and error shapes, and registers each API's routes (one module per
-API: tokenize, completions, chat); serves /v1/models, /health and /metrics itself."""
+API: tokenize, completions, chat, responses, Anthropic's messages); serves /v1/models, /health and /metrics itself."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
 from tokenloop.engine.async_engine import AsyncEngine
+from tokenloop.server.anthropic_messages import add_messages_routes, anthropic_error_body
 from tokenloop.server.body_limit import DEFAULT_MAX_BODY_MB, LimitBody
 from tokenloop.server.chat import add_chat_routes
 from tokenloop.server.completions import add_completions_routes
@@ -61,7 +62,7 @@ def build_app(
     generation = Generation(engine, model_name)
     inputs = engine.inputs  # prompts are processed on the engine's input threads (engine.input_threads)
     max_model_len = inputs.max_model_len
-    shapes = ErrorShapes()
+    shapes = ErrorShapes(by_prefix=(("/v1/messages", anthropic_error_body),))
     install_error_handlers(app, shapes)
     if api_key is not None:
         app.add_middleware(_RequireAPIKey, api_key=api_key, shapes=shapes)
@@ -101,6 +102,7 @@ def build_app(
     add_completions_routes(app, generation, bounds)
     add_chat_routes(app, generation, bounds)
     add_responses_routes(app, generation)
+    add_messages_routes(app, generation)
     return app
 
 
