@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 
 from tests.server.conftest import API_KEY, MODEL_NAME
+from tests.server.test_tool_calls import COUNT, WEATHER
 from tokenloop.server.anthropic_protocol import MessagesRequest
 
 SYSTEM = "Be brief."
@@ -291,18 +292,6 @@ def test_blocks_become_openai_chat_messages():
 
 
 # On the default model: the tiny one's 256-token context cannot hold the tools' listing.
-WEATHER = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "pattern": "^[A-Za-z]{1,8}$"}, "unit": {"enum": ["c", "f"]}},
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-COUNT = {
-    "type": "object",
-    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
-    "required": ["n"],
-    "additionalProperties": False,
-}
 TOOLS = [
     {"name": "get_weather", "description": "the weather in a city", "input_schema": WEATHER},
     {"name": "count", "description": "count things", "input_schema": COUNT},

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tokenloop.sampling.params import SEED_MAX, SEED_MIN, SamplingParams
 from tokenloop.sampling.structured import StructuredOutputsParams
-from tokenloop.server.protocol import _STRICT, Int, _Request
+from tokenloop.server.protocol import _STRICT, FunctionDefinition, Int, _Request
 from tokenloop.tools.calling import Function, ToolCalling
 
 # Fields of the Responses API that change the result and that this server does not honour: refused unless neutral.
@@ -91,15 +91,10 @@ class TextConfig(BaseModel):
     verbosity: Literal["medium"] | None = None  # low or high would change the reply; a small model has no knob
 
 
-class FunctionTool(BaseModel):
+class FunctionTool(FunctionDefinition):
     """The Responses API's flat function tool (chat nests name and parameters under `function`)."""
 
-    model_config = ConfigDict(extra="ignore", **_STRICT)
     type: Literal["function"]
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments; none = any object
-    strict: bool | None = None  # arguments always follow the schema here (its grammar enforces it)
 
 
 class NamedFunction(BaseModel):
