@@ -1,0 +1,1 @@
+"""Fine-tuning: `tokenloop train`'s data, LoRA training loop and export."""
