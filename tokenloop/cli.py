@@ -1,4 +1,4 @@
-"""The `tokenloop` command: generate, chat, perplexity, serve, bench, models, pull."""
+"""The `tokenloop` command: generate, chat, perplexity, serve, bench, train, models, pull."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from pathlib import Path
 from tokenloop.bench import frontend as frontend_bench
 from tokenloop.bench import offline as offline_bench
 from tokenloop.bench import serve_peers as serve_bench
+from tokenloop.bench import train as train_bench
 from tokenloop.models import store
+from tokenloop.train import command as train_command
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -400,6 +402,10 @@ def main(argv: list[str] | None = None) -> int:
     p = bench.add_parser("frontend", help="a running stream and /health while a server does input work beside them")
     frontend_bench.add_arguments(p)
     p.set_defaults(func=frontend_bench.main_from_args)
+    p = bench.add_parser("train", help="training tokens/s and memory beside transformers + peft, same data")
+    train_bench.add_arguments(p)
+    p.set_defaults(func=train_bench.main_from_args)
+    train_command.add_arguments(sub.add_parser("train", help="fine-tune a model on JSONL data, full or LoRA"))
     sub.add_parser("models", help="list known models").set_defaults(func=cmd_models)
     p = sub.add_parser("pull", help="fetch a known model into the local store, and compile its decode step")
     p.add_argument("name")

@@ -77,6 +77,7 @@ def cpu_kernels_available() -> bool:
         try:
             torch.ops.load_library(str(_built_library()))
             _register_fake_kernels()
+            _register_autograd()
             return True
         except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
             why = f"building or loading it failed: {getattr(e, 'stderr', None) or e}"
@@ -192,3 +193,31 @@ def _register_fake_kernels() -> None:
     @torch.library.register_fake("tokenloop::paged_attention")
     def _(q, k_cache, v_cache, block_tables, block_size, query_start, query_count, first_position, window, scale):
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+def _register_autograd() -> None:
+    """Gradients of the float32 kernels a training forward runs (the dense product and RMSNorm), so training runs the
+    serving model's own forward. Backward is plain PyTorch: it need not match any other path's floats."""
+
+    def matmul_setup(ctx, inputs, output) -> None:
+        ctx.save_for_backward(*inputs)
+
+    def matmul_backward(ctx, grad):  # y = x W^T
+        x, weight = ctx.saved_tensors
+        return grad @ weight if ctx.needs_input_grad[0] else None, grad.t() @ x if ctx.needs_input_grad[1] else None
+
+    torch.library.register_autograd("tokenloop::f32_matmul", matmul_backward, setup_context=matmul_setup)
+
+    def norm_setup(ctx, inputs, output) -> None:
+        x, weight, ctx.eps = inputs
+        ctx.save_for_backward(x, weight)
+
+    def norm_backward(ctx, grad):  # y = w * x / rms(x): recomputed in PyTorch, differentiated there
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            x_, w_ = x.detach().requires_grad_(), weight.detach().requires_grad_()
+            y = w_ * torch.nn.functional.rms_norm(x_, w_.shape, eps=ctx.eps)
+            grad_x, grad_w = torch.autograd.grad(y, (x_, w_), grad)
+        return grad_x, grad_w, None
+
+    torch.library.register_autograd("tokenloop::rms_norm", norm_backward, setup_context=norm_setup)

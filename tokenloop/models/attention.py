@@ -3,6 +3,10 @@
 One rule covers prompt prefill, chunked prefill and decode: every forward carries some new tokens of
 several sequences (flattened to T rows), and each sequence attends to all of its cached tokens, or, in a
 sliding-window layer, to the last `window` of them (`AttentionMetadata.windowed`).
+
+Training runs the same modules over whole sequences packed into one batch with no cache (`PackedSequences`): each
+token attends to the tokens before it in its own sequence only (a block-causal mask), as teacher forcing scores
+every position in one forward.
 """
 
 from __future__ import annotations
@@ -45,6 +49,29 @@ class AttentionMetadata:
         return replace(self, window=window)
 
 
+@dataclass(slots=True)
+class PackedSequences:
+    """A training batch: whole sequences flattened into T rows, sequence b in rows starts[b] .. starts[b] +
+    lengths[b] - 1 at positions 0 onwards; nothing is read from or written to a KV cache."""
+
+    starts: torch.Tensor  # [B] int64
+    lengths: torch.Tensor  # [B] int64
+    window: int | None = None
+
+    @classmethod
+    def of(cls, lengths: list[int], device: torch.device | str = "cpu") -> PackedSequences:
+        lengths_t = torch.tensor(lengths, dtype=torch.int64, device=device)
+        return cls(torch.cumsum(lengths_t, 0) - lengths_t, lengths_t)
+
+    def positions(self) -> torch.Tensor:
+        """(T,) each row's position in its own sequence."""
+        rows = torch.arange(int(self.lengths.sum()), device=self.lengths.device)
+        return rows - torch.repeat_interleave(self.starts, self.lengths)
+
+    def windowed(self, window: int) -> PackedSequences:
+        return replace(self, window=window)
+
+
 class KVCacheAttention(nn.Module):
     """Scaled dot-product attention whose keys and values live in one preallocated cache per layer."""
 
@@ -67,8 +94,12 @@ class KVCacheAttention(nn.Module):
             k_cache.dtype, self.head_dim
         )
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata | PackedSequences
+    ) -> torch.Tensor:
         # q: (T, num_heads, head_dim); k, v: (T, num_kv_heads, head_dim)
+        if isinstance(meta, PackedSequences):
+            return self._packed(q, k, v, meta)
         kv_layout.write(self.k_cache, self.v_cache, meta.slot_mapping, k, v, meta.block_size)
         return self.attend(q, meta)
 
@@ -121,3 +152,23 @@ class KVCacheAttention(nn.Module):
         )
         out = out.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)  # (B * Q, hidden)
         return out.new_empty(q.shape[0], out.shape[1]).index_copy_(0, query_index[valid], out[valid.flatten()])
+
+    def _packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PackedSequences) -> torch.Tensor:
+        """Block-causal attention over packed whole sequences (training): each padded to the longest, [B, L]."""
+        length = int(meta.lengths.max())
+        offsets = torch.arange(length, device=q.device)
+        valid = offsets[None, :] < meta.lengths[:, None]  # [B, L]
+        index = torch.where(valid, meta.starts[:, None] + offsets, 0)  # [B, L]
+        mask = offsets[None, :] <= offsets[:, None]  # [L(query), L(key)], causal
+        if meta.window is not None:
+            mask = mask & (offsets[None, :] > offsets[:, None] - meta.window)
+        uniform = bool(valid.all())  # sequences of one length: the rows are the padded batch already (a view)
+        queries, keys, values = (
+            (t.view(len(index), length, *t.shape[1:]) if uniform else gather(t, 0, index)).transpose(1, 2)
+            for t in (q, k, v)
+        )  # (B, heads, L, head_dim)
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads
+        )
+        out = out.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)  # (B * L, hidden)
+        return out if uniform else out[valid.flatten()]  # packed in order: the valid rows are the T rows'

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenloop.models.attention import AttentionMetadata
+from tokenloop.models.attention import AttentionMetadata, PackedSequences
 from tokenloop.models.config import ModelConfig
 from tokenloop.models.layers import GatedMLP, RMSNorm
 from tokenloop.models.llama import DecoderAttention, LlamaForCausalLM
@@ -34,7 +34,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(hidden, eps)
 
     def forward(
-        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata | PackedSequences
     ) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(rope, self.input_layernorm(x), meta))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))

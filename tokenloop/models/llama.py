@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenloop.models.attention import AttentionMetadata, KVCacheAttention
+from tokenloop.models.attention import AttentionMetadata, KVCacheAttention, PackedSequences
 from tokenloop.models.config import ModelConfig
 from tokenloop.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from tokenloop.models.quant import Int8Embedding, low_precision_linear
@@ -40,11 +40,11 @@ class DecoderAttention(nn.Module):
         return torch.cat([q, k, v], dim=-1)
 
     def forward(
-        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata | PackedSequences
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         num_heads, num_kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
-        if self.attn.cpu_kernel and qkv.dtype == torch.float32:
+        if self.attn.cpu_kernel and qkv.dtype == torch.float32 and isinstance(meta, AttentionMetadata):
             # Normalise and rotate q and k and write k and v into the cache in one kernel pass (eager and compiled
             # alike).
             cos, sin = rope
@@ -83,7 +83,7 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_activation)
 
     def forward(
-        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata | PackedSequences
     ) -> torch.Tensor:
         x = x + self.self_attn(rope, self.input_layernorm(x), meta)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -123,7 +123,9 @@ class LlamaForCausalLM(nn.Module):
         """(T,) token ids → (T, hidden) in the activation dtype (the embedding may be stored in bfloat16)."""
         return self.embed_tokens(input_ids).to(self.norm.weight.dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | PackedSequences
+    ) -> torch.Tensor:
         """(T,) token ids and positions → (T, hidden) final hidden states."""
         x = self.embed(input_ids)
         tables = [rotary.tables(positions) for rotary in self.rotary]

@@ -1,1 +1,6 @@
-"""Fine-tuning: `tokenloop train`'s data, LoRA training loop and export."""
+"""Training with the causal mask: `tokenloop train`, full or LoRA, on the serving model's own modules."""
+
+from tokenloop.train.config import TrainConfig
+from tokenloop.train.trainer import TrainResult, train
+
+__all__ = ["TrainConfig", "TrainResult", "train"]
