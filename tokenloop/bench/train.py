@@ -2,7 +2,7 @@
 same model, data and settings, in one run.
 
 Each row trains the same float32 weights (the GGUF dequantized) on the same token rows (one whole sequence of
---row-len tokens per row, --batch-size rows a step, every token scored), with AdamW and clipping, full or LoRA
+--row-len tokens per row, --batch-size rows a step, every token scored), with fused AdamW and clipping, full or LoRA
 (the same rank and alpha on the same seven projections): tokenloop through its own training loop (TrainLoop.step),
 transformers through `model(input_ids, labels=...)`, peft's `get_peft_model` for LoRA. Every measurement runs in a
 process of its own, one at a time, so its peak RSS is its own; a step's rate is tokens over its wall time, the
@@ -74,7 +74,7 @@ def _transformers_rates(model_path: str, args: argparse.Namespace) -> list[float
         model = peft.get_peft_model(model, config)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=2e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(params, lr=2e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, fused=True)
     rates = []
     for _ in range(args.steps + 1):
         start = time.perf_counter()

@@ -104,7 +104,7 @@ class TrainLoop:
         self.eval_batches = [eval_rows[i : i + config.batch_size] for i in range(0, len(eval_rows), config.batch_size)]
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            self.params, lr=config.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=config.weight_decay
+            self.params, lr=config.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=config.weight_decay, fused=True
         )
         self.batches_per_epoch = math.ceil(len(rows) / config.batch_size)
         steps_per_epoch = math.ceil(self.batches_per_epoch / config.grad_accum)
