@@ -1,6 +1,6 @@
 """Session-wide fixtures: the default model (pulled into the model store once), its transformers reference,
-and a tiny random Llama with a tiny tokenizer saved as a Hugging Face folder for fast tests; the factories of test
-engines (make_llm, make_async_engine), which leave nothing behind."""
+and a tiny random Llama with a tiny tokenizer saved as a Hugging Face folder for fast tests; LoRA adapters on them
+with their merged models; the factories of test engines (make_llm, make_async_engine), which leave nothing behind."""
 
 from __future__ import annotations
 
@@ -125,6 +125,27 @@ def tiny_llm(tiny_model_folder):
     from tokenloop import LLM
 
     return LLM(tiny_model_folder, dtype="float32", device="cpu", kv_cache_gb=0.01)
+
+
+@pytest.fixture(scope="session")
+def tiny_lora(tiny_model_folder, tmp_path_factory) -> tuple[Path, Path]:
+    """A random LoRA (r 8, alpha 16, all seven linears) on the tiny model, in PEFT's layout, and the tiny model with
+    it merged in, as Hugging Face folders: (adapter, merged)."""
+    from tests.lora_helpers import make_adapter
+
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_folder, dtype=torch.float32).eval()
+    return make_adapter(model, tiny_model_folder, tmp_path_factory.mktemp("tiny_lora"), seed=1)
+
+
+@pytest.fixture(scope="session")
+def real_lora(default_model_path, tmp_path_factory) -> tuple[Path, Path]:
+    """The same kind of adapter on the default model (transformers loading its GGUF in float32): (adapter, merged)."""
+    from tests.helpers import transformers_from_gguf
+    from tests.lora_helpers import make_adapter
+
+    model, tokenizer = transformers_from_gguf(default_model_path)
+    return make_adapter(model, tokenizer, tmp_path_factory.mktemp("real_lora"), seed=1, b_scale=0.25)
 
 
 @pytest.fixture(scope="session")

@@ -10,8 +10,17 @@ import os
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 from tokenloop.engine.beam_search import BeamSearchParams  # noqa: E402
+from tokenloop.engine.lora import LoRARequest  # noqa: E402
 from tokenloop.llm import LLM  # noqa: E402
 from tokenloop.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from tokenloop.sampling.params import SamplingParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "BeamSearchParams",
+    "LoRARequest",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+]

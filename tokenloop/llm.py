@@ -12,6 +12,7 @@ from tokenloop.engine.beam_search import BeamSearchParams
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.input_processor import Prompt
 from tokenloop.engine.llm_engine import LLMEngine
+from tokenloop.engine.lora import LoRARequest
 from tokenloop.outputs import RequestOutput
 from tokenloop.sampling.params import SamplingParams
 from tokenloop.strategies import skeleton
@@ -37,17 +38,23 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in the prompts' order."""
+        """Generate for every prompt; outputs come back in the prompts' order. `lora_request`: the adapter every
+        prompt runs, or one per prompt (None: the base model); the LLM needs enable_lora=True."""
         is_batch = isinstance(prompts, list | tuple) and not (prompts and isinstance(prompts[0], int))
         prompts = list(prompts) if is_batch else [prompts]  # a single prompt may itself be a list of token ids
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(prompts)
+        if len(lora_request) != len(prompts):
+            raise ValueError(f"got {len(lora_request)} LoRA requests for {len(prompts)} prompts")
         engine = self.llm_engine
         # Tokenize and validate every prompt before any runs, so a bad one does not leave the others half-done.
-        inputs = [engine.input_processor.process(p, sp) for p, sp in zip(prompts, sampling_params)]
+        inputs = [engine.input_processor.process(*args) for args in zip(prompts, sampling_params, lora_request)]
         ids = [engine.add_request(p) for p in inputs]
         return self._run(ids, use_tqdm)
 

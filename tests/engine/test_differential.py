@@ -4,7 +4,8 @@ A request run alone is the reference. Inside a batch of up to 64 others arriving
 prefix-cache hits or without, in prefill chunks of 1, 7 or 64, preempted and recomputed, forked (n > 1, beam
 search), in the compiled decode step, and in another process with another hash seed and thread count, it gets
 the same token ids and the same logprobs, to the last bit: greedy and seeded sampling, on the float32 path and
-the fast path (dtype "auto": float16 KV cache, the quantized kernels), for a tiny Llama, a tiny Gemma 3 (window 8,
+the fast path (dtype "auto": float16 KV cache, the quantized kernels), beside requests of other LoRA adapters (whose
+own tokens are theirs alone, too), for a tiny Llama, a tiny Gemma 3 (window 8,
 every prompt longer) and a tiny K-quant Gemma 3 GGUF; and for the real models, SmolLM2 and gemma3-270m.
 
 The older tests (float32 greedy token ids, against the shared tiny engine) also cover speculative decoding, a
@@ -24,8 +25,9 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from tests.helpers import build_llm
-from tokenloop import LLM, BeamSearchParams, SamplingParams
+from tests.helpers import build_llm, model_config
+from tests.lora_helpers import write_random_adapter
+from tokenloop import LLM, BeamSearchParams, LoRARequest, SamplingParams
 from tokenloop.engine.input_processor import Prompt
 from tokenloop.outputs import Logprob, RequestOutput
 
@@ -264,6 +266,37 @@ def test_forked_completions_and_beams_in_a_batch_get_their_tokens_and_logprobs_a
     if "kv_blocks" in engine_args:
         assert llm.llm_engine.scheduler.num_preemptions > 0
     assert all(b.ref_count == 0 for b in llm.llm_engine.block_manager.blocks)
+
+
+@pytest.fixture(scope="module")
+def adapters(case, tmp_path_factory) -> list[LoRARequest]:
+    """Two random LoRA adapters on the case's model, on every linear."""
+    config = model_config(case.path)
+    return [
+        LoRARequest(name, str(write_random_adapter(tmp_path_factory.mktemp(f"lora_{case.name}_{name}"), config, seed)))
+        for seed, name in enumerate(["a", "b"], start=1)
+    ]
+
+
+def test_base_and_adapter_requests_in_one_batch_with_prefix_caching_get_their_tokens_and_logprobs_alone(
+    make_llm, case, alone, adapters
+):
+    """REQUESTS under the base model and under two adapters (the same prompts and shared prefixes, hashed apart by
+    the adapter's identity), with others, in one batch: cold, then warm from the prefix cache. The base requests get
+    an engine without adapters' tokens; each adapter's request gets its tokens alone."""
+    with_adapters = [(prompt, params, None, False, lora) for lora in adapters for prompt, params in REQUESTS]
+    alone_llm = make_llm(case.path, dtype=case.dtype, enable_prefix_caching=False, enable_lora=True)
+    adapters_alone = [run(alone_llm, [r])[0] for r in with_adapters]
+    for i in range(len(adapters)):  # each adapter changes tokens
+        assert [c[0][0] for c in adapters_alone[i * len(REQUESTS) : (i + 1) * len(REQUESTS)]] != [
+            c[0][0] for c in alone
+        ]
+    llm = make_llm(case.path, dtype=case.dtype, kv_cache_gb=0.03, enable_lora=True)
+    batch, arrivals, where = mixed(REQUESTS + with_adapters, fillers(8, seed=4), seed=5, latest=10)
+    for _ in ("cold", "warm"):
+        got = run(llm, batch, arrivals)
+        assert_same([got[i] for i in where], alone + adapters_alone)
+    assert llm.llm_engine.block_manager.prefix_hit_tokens > 0
 
 
 @pytest.mark.slow  # a first run builds each package (20 to 60 s on 2 cores); later ones load it from the cache

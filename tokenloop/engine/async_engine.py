@@ -31,6 +31,7 @@ from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.input_processor import InputProcessor, ProcessedPrompt, Prompt
 from tokenloop.engine.input_threads import InputThreads
 from tokenloop.engine.llm_engine import LLMEngine
+from tokenloop.engine.lora import LoRARequest
 from tokenloop.engine.metrics import EngineMetrics
 from tokenloop.outputs import RequestOutput
 from tokenloop.sampling.params import SamplingParams
@@ -134,14 +135,14 @@ class AsyncEngine:
         self.input_threads.shutdown()
 
     async def admit_and_process(
-        self, prompts: list[Prompt], params: SamplingParams | BeamSearchParams
+        self, prompts: list[Prompt], params: SamplingParams | BeamSearchParams, lora: LoRARequest | None = None
     ) -> list[ProcessedPrompt]:
         """Admit len(prompts) requests (EngineDraining, EngineBusy), then process every prompt on an input thread
         before any is queued (ValueError for a bad one); they count as waiting meanwhile."""
         self.admit(len(prompts))
         self.num_waiting += len(prompts)
         try:
-            return await self.input_threads.run(lambda: [self.inputs.process(p, params) for p in prompts])
+            return await self.input_threads.run(lambda: [self.inputs.process(p, params, lora) for p in prompts])
         finally:
             self.num_waiting -= len(prompts)
 

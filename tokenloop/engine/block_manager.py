@@ -2,9 +2,9 @@
 forks sequences (a child shares its parent's blocks) and copies a shared block on write.
 
 It counts integers only; the tensors live in the model runner (which does the copies listed here). A full block is
-keyed by a hash chained to its parent's hash, its own token ids and the model's identity, so equal keys mean equal
-prefixes of one model (token ids
-are compared on a hit as well, so a hash collision can never serve the wrong cache). The hash is a fixed digest, not
+keyed by a hash chained to its parent's hash, its own token ids, the model's identity and the sequence's extra key
+(its adapter's identity), so equal keys mean equal prefixes of one model (token ids and extra keys are compared on
+a hit as well, so a hash collision can never serve the wrong cache). The hash is a fixed digest, not
 Python's salted `hash`, so that two processes (prefill and decode workers, replicas behind a router) agree on it.
 """
 
@@ -25,6 +25,7 @@ class Block:
     ref_count: int = 0
     hash: int | None = None  # set once the block is full and its K/V computed
     token_ids: tuple[int, ...] = ()
+    extra: bytes = b""  # the extra key it was hashed with (its sequence's adapter identity)
 
 
 ROOT_HASH = 0  # the parent hash of a sequence's first block
@@ -79,11 +80,18 @@ class BlockManager:
         # block it shares got a copy of its own (copy on write). The scheduler hands them to the step.
         self.pending_copies: list[tuple[int, int]] = []
 
-    def block_hash(self, parent_hash: int, token_ids: tuple[int, ...]) -> int:
-        """The 64-bit chain hash of a full block (ROOT_HASH is the first block's parent)."""
+    def block_hash(self, parent_hash: int, token_ids: tuple[int, ...], extra: bytes = b"") -> int:
+        """The 64-bit chain hash of a full block (ROOT_HASH is the first block's parent); `extra`: what else its
+        K/V depend on (vLLM's extra keys: a LoRA adapter's identity), every block of the chain hashing it."""
         hasher = self._identity_hasher.copy()
         hasher.update(self._pack_block(parent_hash, *token_ids))
+        if extra:
+            hasher.update(extra)
         return int.from_bytes(hasher.digest(), "little")
+
+    @staticmethod
+    def extra_key(seq: Sequence) -> bytes:
+        return seq.lora.identity.encode() if seq.lora is not None else b""
 
     @property
     def num_blocks(self) -> int:
@@ -132,12 +140,12 @@ class BlockManager:
         assert not seq.block_table and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching or seq.score_prompt:
             return
-        parent = ROOT_HASH
+        parent, extra = ROOT_HASH, self.extra_key(seq)
         for start in range(0, seq.num_tokens - 1 - self.block_size + 1, self.block_size):
             tokens = tuple(seq.token_ids[start : start + self.block_size])
-            parent = self.block_hash(parent, tokens)
+            parent = self.block_hash(parent, tokens, extra)
             block_id = self.cached.get(parent)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            if block_id is None or (self.blocks[block_id].token_ids, self.blocks[block_id].extra) != (tokens, extra):
                 break
             self._take(block_id)
             seq.block_table.append(block_id)
@@ -178,12 +186,13 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         full = seq.num_computed_tokens // self.block_size
+        extra = self.extra_key(seq)
         for i in range(seq.num_hashed_blocks, full):
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:  # a block taken from the cache already has its hash
                 parent = self.blocks[seq.block_table[i - 1]].hash if i else ROOT_HASH
                 block.token_ids = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-                block.hash = self.block_hash(parent, block.token_ids)
+                block.hash, block.extra = self.block_hash(parent, block.token_ids, extra), extra
                 self.cached.setdefault(block.hash, block.block_id)
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
 
@@ -220,4 +229,4 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash is not None and self.cached.get(block.hash) == block_id:
             del self.cached[block.hash]
-        block.hash, block.token_ids = None, ()
+        block.hash, block.token_ids, block.extra = None, (), b""

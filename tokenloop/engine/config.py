@@ -10,6 +10,7 @@ import torch
 
 from tokenloop import kernels
 from tokenloop.engine.compiled_decode import CompileSpec
+from tokenloop.engine.lora import LoRARequest
 from tokenloop.spec_decode.config import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -62,6 +63,10 @@ class EngineConfig:
     inject_faults: tuple[str, ...] = ()  # tests only: "STAGE:TOKEN_ID" each (engine/faults.py)
     # Speculative decoding (spec_decode/): {"method": "ngram" | "draft", "num_speculative_tokens": k, ...}; None = off.
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
+    # LoRA adapters (engine/lora.py): requests may name one (loaded on first use); lora_modules are loaded at start
+    # (and turn enable_lora on). With adapters the decode step runs eager (the compiled package is the base model's).
+    enable_lora: bool = False
+    lora_modules: tuple[LoRARequest, ...] = ()
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -79,6 +84,11 @@ class EngineConfig:
             raise ValueError(f"threads must be an integer >= 1, got {self.threads!r}")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.of(self.speculative_config)
+        self.lora_modules = tuple(self.lora_modules)
+        if names := [m.name for m in self.lora_modules]:
+            if len(set(names)) != len(names):
+                raise ValueError(f"lora_modules names must be distinct, got {names}")
+            self.enable_lora = True
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tokenloop.engine.beam_search import BeamSearchParams
+from tokenloop.engine.lora import LoRARequest
 from tokenloop.sampling.params import SamplingParams
 from tokenloop.sampling.structured import GrammarCompiler
 from tokenloop.tokenizer.tokenizer import Tokenizer, TooManyTokens
@@ -28,6 +29,7 @@ class ProcessedPrompt:
     prompt: str | None  # its text, when it came as text
     prompt_token_ids: list[int]
     params: SamplingParams | BeamSearchParams  # a SamplingParams' unset max_tokens filled in: up to the context
+    lora_request: LoRARequest | None = None  # the adapter it runs (None: the base model)
 
 
 class InputProcessor:
@@ -40,14 +42,16 @@ class InputProcessor:
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
 
-    def process(self, prompt: Prompt, params: SamplingParams | BeamSearchParams) -> ProcessedPrompt:
+    def process(
+        self, prompt: Prompt, params: SamplingParams | BeamSearchParams, lora_request: LoRARequest | None = None
+    ) -> ProcessedPrompt:
         """Tokenize and check a prompt for `params`: a ProcessedPrompt, or ValueError before anything is queued."""
         text, token_ids = self._tokenize(prompt)
         sampling = params.sampling_params() if isinstance(params, BeamSearchParams) else params
         self.validate(token_ids, sampling)
         if isinstance(params, SamplingParams) and params.max_tokens is None:  # up to the context length
             params = replace(params, max_tokens=self.max_model_len - len(token_ids))
-        return ProcessedPrompt(text, token_ids, params)
+        return ProcessedPrompt(text, token_ids, params, lora_request)
 
     def chat(
         self,

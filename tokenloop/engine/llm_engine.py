@@ -18,6 +18,7 @@ from tokenloop.engine.config import EngineConfig, compile_spec
 from tokenloop.engine.executor import StepExecutor, StepResult
 from tokenloop.engine.faults import FaultInjection
 from tokenloop.engine.input_processor import InputProcessor, ProcessedPrompt, Prompt
+from tokenloop.engine.lora import LoRAManager, LoRARequest, LoRASlot
 from tokenloop.engine.model_runner import ModelRunner, kv_bytes_per_block
 from tokenloop.engine.output_processor import CompletionState, OutputProcessor
 from tokenloop.engine.requests import ForkedRequest, Request, new_request
@@ -62,6 +63,13 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             self.tokenizer, loaded.config.vocab_size, self.max_model_len, num_blocks * config.block_size
         )
+        self.loras: LoRAManager | None = None
+        compile = config.compile
+        if config.enable_lora:
+            self.loras = LoRAManager(loaded.model, loaded.config, config.torch_dtype, device)
+            for lora in config.lora_modules:
+                self.loras.slot(lora)
+            compile = False  # the package would hold the wrapped linears' names; adapters' rows run eager anyway
         self.runner = ModelRunner(
             loaded.model,
             loaded.config,
@@ -69,8 +77,9 @@ class LLMEngine:
             config.block_size,
             config.kv_cache_dtype,
             device,
-            config.compile,
-            compile_spec(config, loaded.path) if config.compile and config.compile_in_background else None,
+            compile,
+            compile_spec(config, loaded.path) if compile and config.compile_in_background else None,
+            self.loras.context if self.loras is not None else None,
         )
         self.speculator = None
         if config.speculative_config is not None:
@@ -92,16 +101,19 @@ class LLMEngine:
         params: SamplingParams | BeamSearchParams | None = None,
         request_id: str | None = None,
         retain: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a request: a prompt with its params, or a ProcessedPrompt (InputProcessor.process), which holds
         them. BeamSearchParams make it a beam search (engine/beam_search.py): its one output, at the end, holds
         the best params.n beams, best first. `retain` (n = 1): once it finishes, its sequence keeps its KV blocks,
-        for fork_request to continue it, until release_request."""
+        for fork_request to continue it, until release_request. `lora_request`: the adapter it runs (a
+        ProcessedPrompt carries its own)."""
         if not isinstance(prompt, ProcessedPrompt):
-            prompt = self.input_processor.process(prompt, params or SamplingParams())
-        elif params is not None and params is not prompt.params:
-            raise ValueError("a ProcessedPrompt carries its own params: pass none with it")
-        request = new_request(self._request_id(request_id), prompt, retain, self.tokenizer.eos_token_ids)
+            prompt = self.input_processor.process(prompt, params or SamplingParams(), lora_request)
+        elif params is not None and params is not prompt.params or lora_request not in (None, prompt.lora_request):
+            raise ValueError("a ProcessedPrompt carries its own params and adapter: pass none with it")
+        lora = self._lora_slot(prompt.lora_request)
+        request = new_request(self._request_id(request_id), prompt, retain, self.tokenizer.eos_token_ids, lora)
         self.requests[request.request_id] = request
         request.start(self)
         return request.request_id
@@ -129,6 +141,13 @@ class LLMEngine:
         if (seq := self._retained.pop(request_id, None)) is not None:
             self.scheduler.release_kept(seq)
 
+    def _lora_slot(self, request: LoRARequest | None) -> LoRASlot | None:
+        if request is None:
+            return None
+        if self.loras is None:
+            raise ValueError(f"adapter {request.name!r} requested, but this engine was built without enable_lora")
+        return self.loras.slot(request)
+
     def keep(self, request_id: str, seq: Sequence) -> None:
         self._retained[request_id] = seq
 
@@ -149,6 +168,7 @@ class LLMEngine:
         prompt = request.prompt_token_ids
         seq = Sequence(f"{request.request_id}/{index}", list(prompt), len(prompt), params, generator)
         seq.score_prompt = index == 0 and params.prompt_logprobs is not None  # the others share its prompt
+        seq.lora = request.lora
         seq.controls = LogitControls.for_request(
             params,
             seq.num_prompt_tokens,

@@ -22,6 +22,7 @@ from tokenloop.engine.scheduler import ScheduledBatch
 from tokenloop.engine.sequence import Sequence
 from tokenloop.models.attention import AttentionMetadata
 from tokenloop.models.config import ModelConfig
+from tokenloop.models.lora_layers import LoRABatch, LoRAContext
 from tokenloop.sampling.sampler import ProcessorInputs, Sampler, SamplerOutput, SamplingBatch, gather_logprobs
 from tokenloop.spec_decode.rejection_sampler import verify
 
@@ -130,6 +131,7 @@ class ModelInput:
     spans: list[LogitSpan]  # per sequence that asks for logits, in batch order
     decode_only: bool  # one new token per sequence: the compiled step's case
     block_copies: list[tuple[int, int]]  # (source, destination) KV blocks copied before the forward pass
+    lora: LoRABatch | None = None  # the rows of each adapter in the batch (None: every row is the base model's)
 
     @property
     def sample_spans(self) -> list[LogitSpan]:
@@ -162,8 +164,10 @@ class ModelRunner:
         device: torch.device,
         compile: bool = False,
         background: CompileSpec | None = None,  # where compile: build a missing package in a child process
+        lora: LoRAContext | None = None,  # the context of the model's LoRA-wrapped linears (engine/lora.py)
     ) -> None:
         self.model, self.config, self.block_size, self.device = model, config, block_size, device
+        self.lora = lora or LoRAContext()
         shape = (config.num_kv_heads, num_blocks * block_size, config.head_dim)
         layers = model.attention_layers()
         for attn in layers:
@@ -231,6 +235,20 @@ class ModelRunner:
             spans=spans,
             decode_only=bool((lens == 1 + np.array(drafts, dtype=np.int64)).all()),
             block_copies=batch.block_copies,
+            lora=self._lora_batch(batch, seq_of_token),
+        )
+
+    def _lora_batch(self, batch: ScheduledBatch, seq_of_token: np.ndarray) -> LoRABatch | None:
+        """Per adapter in the batch, the flat rows of its sequences' tokens."""
+        slots = np.array([seq.lora.index if seq.lora is not None else -1 for seq in batch.seqs], dtype=np.int64)
+        if (slots < 0).all():
+            return None
+        slot_of_token = slots[seq_of_token]  # [T]
+        return LoRABatch(
+            [
+                (int(s), _to_device(np.flatnonzero(slot_of_token == s), self.device))
+                for s in np.unique(slots[slots >= 0])
+            ]
         )
 
     @torch.inference_mode()
@@ -249,7 +267,8 @@ class ModelRunner:
         """The forward pass: float32 logits [R, V] of the rows the sequences ask for (None if none does)."""
         if inp.block_copies:
             self.copy_blocks(inp.block_copies)
-        hidden = self.forward(inp.input_ids, inp.positions, inp.meta, inp.decode_only)
+        with self.lora.use(inp.lora):  # the compiled step is the base model's: adapters' rows run eager
+            hidden = self.forward(inp.input_ids, inp.positions, inp.meta, inp.decode_only and inp.lora is None)
         if not inp.spans:
             return None
         return self.model.compute_logits(hidden[inp.logit_rows]).float()

@@ -13,7 +13,7 @@ released), ForkedRequest (starts on a retained request's blocks; only its suffix
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tokenloop.engine.beam_search import Beam, BeamSearch, BeamSearchParams
 from tokenloop.engine.input_processor import ProcessedPrompt
@@ -23,6 +23,9 @@ from tokenloop.engine.scheduler import Scheduler
 from tokenloop.engine.sequence import Sequence, SequenceStatus
 from tokenloop.outputs import Logprob, RequestOutput
 from tokenloop.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenloop.engine.lora import LoRASlot
 
 
 class Engine(Protocol):
@@ -38,8 +41,11 @@ class Engine(Protocol):
 
 
 class Request:
-    def __init__(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams) -> None:
+    def __init__(
+        self, request_id: str, processed: ProcessedPrompt, params: SamplingParams, lora: LoRASlot | None = None
+    ) -> None:
         self.request_id = request_id
+        self.lora = lora  # every sequence of the request runs its adapter (None: the base model)
         self.prompt = processed.prompt
         self.prompt_token_ids = processed.prompt_token_ids
         self.params = params
@@ -116,7 +122,7 @@ class ForkedRequest(SamplingRequest):
     others fork off its first once it has computed the suffix."""
 
     def __init__(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams, parent: Sequence) -> None:
-        super().__init__(request_id, processed, params)
+        super().__init__(request_id, processed, params, parent.lora)  # it continues its parent's K/V
         self.parent = parent
 
     def start(self, engine: Engine) -> None:
@@ -124,9 +130,11 @@ class ForkedRequest(SamplingRequest):
 
 
 class BeamRequest(Request):
-    def __init__(self, request_id: str, processed: ProcessedPrompt, eos_token_ids: list[int]) -> None:
+    def __init__(
+        self, request_id: str, processed: ProcessedPrompt, eos_token_ids: list[int], lora: LoRASlot | None = None
+    ) -> None:
         beam_params: BeamSearchParams = processed.params
-        super().__init__(request_id, processed, beam_params.sampling_params())
+        super().__init__(request_id, processed, beam_params.sampling_params(), lora)
         self.search = BeamSearch(beam_params, frozenset(eos_token_ids), [])
 
     @property
@@ -144,6 +152,7 @@ class BeamRequest(Request):
     def _beam(self, seq_id: str, token_ids: list[int]) -> Sequence:
         seq = Sequence(seq_id, token_ids, len(self.prompt_token_ids), self.params)
         seq.num_candidates = self.search.num_candidates
+        seq.lora = self.lora
         return seq
 
     def on_samples(self, seq: Sequence, samples: StepSamples, rows: range, out: OutputProcessor) -> None:
@@ -178,10 +187,12 @@ class BeamRequest(Request):
         return out.beam_output(self, search.best()) if search.done else None
 
 
-def new_request(request_id: str, processed: ProcessedPrompt, retain: bool, eos_token_ids: list[int]) -> Request:
+def new_request(
+    request_id: str, processed: ProcessedPrompt, retain: bool, eos_token_ids: list[int], lora: LoRASlot | None = None
+) -> Request:
     """The kind of request `processed` asks for."""
     if isinstance(processed.params, BeamSearchParams):
-        return BeamRequest(request_id, processed, eos_token_ids)
+        return BeamRequest(request_id, processed, eos_token_ids, lora)
     if retain and processed.params.n != 1:
         raise ValueError(f"n must be 1 for a retained request, got {processed.params.n}")
-    return (RetainedRequest if retain else SamplingRequest)(request_id, processed, processed.params)
+    return (RetainedRequest if retain else SamplingRequest)(request_id, processed, processed.params, lora)

@@ -12,6 +12,7 @@ from tokenloop.sampling.params import SamplingParams
 from tokenloop.sampling.processors import LogitControls
 
 if TYPE_CHECKING:
+    from tokenloop.engine.lora import LoRASlot
     from tokenloop.spec_decode.proposer import Draft
 
 
@@ -52,6 +53,7 @@ class Sequence:
     # Once finished, its KV blocks stay: forks are still to be taken from them (a retained request's sequence, or
     # the first completion of n until the others have forked off it).
     keep_blocks: bool = False
+    lora: LoRASlot | None = None  # its request's adapter (None: the base model)
 
     @property
     def request_id(self) -> str:

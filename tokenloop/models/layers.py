@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenloop import kernels
-from tokenloop.models.quant import QuantizedModule, dense_linear
+from tokenloop.models.quant import dense_linear
 
 
 class Linear(nn.Linear):
@@ -96,6 +96,12 @@ def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) ->
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
 
 
+def gated(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up for gate_up = [gate | up]: the down projection's input."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return ACTIVATIONS[activation](gate) * up
+
+
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with Gemma's tanh-approximated GELU."""
 
@@ -107,10 +113,9 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if isinstance(self.down_proj, QuantizedModule) and self.down_proj.cpu_kernel:
+        if getattr(self.down_proj, "cpu_kernel", False):  # a QuantizedModule's kernel (under a LoRALinear or not)
             return self.down_proj.gated_forward(gate_up, self.activation)  # the activation inside the product's kernel
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(ACTIVATIONS[self.activation](gate) * up)
+        return self.down_proj(gated(gate_up, self.activation))
 
     def extra_repr(self) -> str:
         return f"activation={self.activation}"
