@@ -251,6 +251,7 @@ def cmd_perplexity(args) -> int:
 def cmd_serve(args) -> int:
     from tokenloop.engine.async_engine import AsyncEngineConfig
     from tokenloop.engine.config import EngineConfig
+    from tokenloop.engine.lora import LoRARequest
     from tokenloop.server.serve import ServerConfig, serve
 
     engine_config = EngineConfig(
@@ -266,6 +267,7 @@ def cmd_serve(args) -> int:
         inject_faults=tuple(args.inject_fault),
         threads=args.threads,
         speculative_config=args.speculative_config,
+        lora_modules=tuple(LoRARequest.parse(spec) for spec in args.lora),
     )
     limits = AsyncEngineConfig(
         max_waiting=args.max_waiting, unread_timeout_s=args.unread_timeout, stall_timeout_s=args.stall_timeout
@@ -359,6 +361,13 @@ def main(argv: list[str] | None = None) -> int:
         "--model", "-m", default=None, help=f"known name, .gguf file or HF folder (default {store.DEFAULT_MODEL})"
     )
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="a LoRA adapter (PEFT folder) served as model NAME beside the base model, batched with it (repeatable)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")

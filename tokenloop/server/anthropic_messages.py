@@ -102,12 +102,12 @@ def add_messages_routes(app: FastAPI, generation: Generation) -> None:
     schema_of = app.openapi
 
     def openapi() -> dict:
-        """The served schema, with what depends on this server written in: the one model name (any other is a
-        404, and the field is required), max_tokens bounded by the context."""
+        """The served schema, with what depends on this server written in: the model names (the base model's and
+        its adapters'; any other is a 404, and the field is required), max_tokens bounded by the context."""
         schema = schema_of()
         components = schema["components"]["schemas"]
         for name in ("MessagesRequest", "CountTokensRequest"):
-            components[name]["properties"]["model"]["enum"] = [generation.model_name]
+            components[name]["properties"]["model"]["enum"] = generation.model_names
         components["MessagesRequest"]["properties"]["max_tokens"]["maximum"] = generation.inputs.max_model_len - 1
         return schema
 
@@ -116,10 +116,10 @@ def add_messages_routes(app: FastAPI, generation: Generation) -> None:
     @app.post("/v1/messages", responses=_MESSAGE_RESPONSES)
     async def messages(body: MessagesRequest, request: Request) -> Response:
         """Anthropic's Messages API: a reply to the conversation, streamed as named events with stream: true."""
-        generation.check_model(body.model)
+        model = generation.check_model(body.model)
         tools, prompt = await _prompt(generation, body)
-        streams = await generation.start([prompt], _sampling_params(body, tools), _RENAMED)
-        reply = _Reply(generation.model_name, body.stop_sequences or [], tools is not None and tools.constrained)
+        streams = await generation.start([prompt], _sampling_params(body, tools), _RENAMED, model)
+        reply = _Reply(model.name, body.stop_sequences or [], tools is not None and tools.constrained)
         if body.stream:
             return sse(_events(streams[0], reply), anthropic_error_body, named=True, done=False)
         (out,) = await generation.collect(request, streams)

@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
 from tokenloop.engine.async_engine import AsyncEngine
+from tokenloop.engine.lora import LoRARequest
 from tokenloop.server.anthropic_messages import add_messages_routes, anthropic_error_body
 from tokenloop.server.body_limit import DEFAULT_MAX_BODY_MB, LimitBody
 from tokenloop.server.chat import add_chat_routes
@@ -57,9 +58,11 @@ def build_app(
     api_key: str | None = None,
     max_n: int = DEFAULT_MAX_N,
     max_body_mb: float = DEFAULT_MAX_BODY_MB,
+    loras: tuple[LoRARequest, ...] = (),
 ) -> FastAPI:
+    """`loras`: adapters the engine has loaded (EngineConfig.lora_modules), served by name beside `model_name`."""
     app = FastAPI(title="tokenloop", docs_url=None, redoc_url=None)
-    generation = Generation(engine, model_name)
+    generation = Generation(engine, model_name, tuple(loras))
     inputs = engine.inputs  # prompts are processed on the engine's input threads (engine.input_threads)
     max_model_len = inputs.max_model_len
     shapes = ErrorShapes(by_prefix=(("/v1/messages", anthropic_error_body),))
@@ -89,14 +92,11 @@ def build_app(
 
     @app.get("/v1/models", responses=ERROR_RESPONSES)
     async def models() -> dict:
-        card = {
-            "id": model_name,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "tokenloop",
-            "max_model_len": max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+        """The base model, then its LoRA adapters, each with the base as `parent` (as vLLM lists them)."""
+        created = int(time.time())
+        card = {"object": "model", "created": created, "owned_by": "tokenloop", "max_model_len": max_model_len}
+        adapters = [card | {"id": lora.name, "root": lora.path, "parent": model_name} for lora in loras]
+        return {"object": "list", "data": [card | {"id": model_name}, *adapters]}
 
     add_tokenizer_routes(app, engine, generation.check_model)
     add_completions_routes(app, generation, bounds)

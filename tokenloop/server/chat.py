@@ -29,7 +29,7 @@ from tokenloop.server.responses import ToolCallStream, Usage, chat_logprobs, cha
 def add_chat_routes(app: FastAPI, generation: Generation, bounds: Bounds) -> None:
     @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        generation.check_model(body.model)
+        model = generation.check_model(body.model)
         bounds.check(body)
         params = params_or_400(lambda: body.sampling_params(body.effective_max_tokens(), body.effective_logprobs()))
         tools = params_or_400(body.tool_calling)
@@ -38,8 +38,8 @@ def add_chat_routes(app: FastAPI, generation: Generation, bounds: Bounds) -> Non
         vote = params_or_400(body.answer_spec)
         if vote is not None:
             params = vote.params(params, body.n)
-        streams = await generation.start([prompt], params, renamed_fields(body))
-        meta = meta_of("chatcmpl", "chat.completion", generation.model_name)
+        streams = await generation.start([prompt], params, renamed_fields(body), model)
+        meta = meta_of("chatcmpl", "chat.completion", model.name)
         if vote is not None:
             return await voted(
                 request,

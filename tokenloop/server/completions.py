@@ -32,7 +32,7 @@ def add_completions_routes(app: FastAPI, generation: Generation, bounds: Bounds)
 
     @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        generation.check_model(body.model)
+        model = generation.check_model(body.model)
         bounds.check(body)
         # best_of > n: that many completions run, and the n with the highest cumulative logprob are returned.
         best_of = body.best_of or body.n
@@ -48,14 +48,14 @@ def add_completions_routes(app: FastAPI, generation: Generation, bounds: Bounds)
             if len(body.prompts()) != 1:
                 raise APIError(400, "self_consistency takes one prompt", "prompt")
             params = vote.params(params, body.n)
-        streams = await generation.start(body.prompts(), params, renamed_fields(body))
+        streams = await generation.start(body.prompts(), params, renamed_fields(body), model)
         if vote is not None:
             return await voted(
                 request,
                 streams[0],
                 vote,
                 body.n,
-                meta_of("cmpl", "text_completion", generation.model_name),
+                meta_of("cmpl", "text_completion", model.name),
                 lambda c: {
                     "index": 0,
                     "text": c.text,
@@ -66,7 +66,7 @@ def add_completions_routes(app: FastAPI, generation: Generation, bounds: Bounds)
             )
         if best_of > body.n and beams is None:  # the best are known only at the end: a stream gets them then
             streams = [_best_of(s, body.n) for s in streams]
-        meta = meta_of("cmpl", "text_completion", generation.model_name)
+        meta = meta_of("cmpl", "text_completion", model.name)
 
         tokenizer = inputs.tokenizer
 

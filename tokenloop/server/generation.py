@@ -21,6 +21,7 @@ from fastapi.responses import StreamingResponse
 from tokenloop.engine.async_engine import AsyncEngine, RequestFailed
 from tokenloop.engine.beam_search import BeamSearchParams
 from tokenloop.engine.input_processor import InputProcessor, Prompt
+from tokenloop.engine.lora import LoRARequest
 from tokenloop.outputs import RequestOutput
 from tokenloop.sampling.params import SamplingParams
 from tokenloop.server.errors import ERROR_RESPONSES, APIError, param_of
@@ -40,17 +41,35 @@ GENERATION_RESPONSES = ERROR_RESPONSES | {
 
 
 @dataclass(frozen=True, slots=True)
+class ServedModel:
+    """What a request's `model` names: the base model, or one of the LoRA adapters served beside it."""
+
+    name: str  # as the reply names it
+    lora: LoRARequest | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Generation:
     engine: AsyncEngine
     model_name: str
+    loras: tuple[LoRARequest, ...] = ()  # served beside the base model, by name
 
     @property
     def inputs(self) -> InputProcessor:
         return self.engine.inputs
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.", "model")
+    @property
+    def model_names(self) -> list[str]:
+        return [self.model_name, *(lora.name for lora in self.loras)]
+
+    def check_model(self, name: str | None) -> ServedModel:
+        """The model a request names (None: the base model); any other name is a 404."""
+        if name is None or name == self.model_name:
+            return ServedModel(self.model_name)
+        if (lora := next((lora for lora in self.loras if lora.name == name), None)) is not None:
+            return ServedModel(name, lora)
+        served = ", ".join(f"`{n}`" for n in self.model_names)
+        raise APIError(404, f"The model `{name}` does not exist; this server serves {served}.", "model")
 
     async def chat_prompt(
         self,
@@ -82,12 +101,14 @@ class Generation:
         prompts: list[Prompt],
         params: SamplingParams | BeamSearchParams,
         renamed: dict[str, str] | None = None,
+        model: ServedModel | None = None,
     ) -> list[AsyncIterator[RequestOutput]]:
         """Process every prompt before starting any, so that a bad one leaves nothing running: 503 while draining,
         429 when too many wait, 400 naming the field. `renamed` maps a message's leading field (SamplingParams'
-        name) to the one the client sent (its API's name)."""
+        name) to the one the client sent (its API's name); `model` (check_model's) may run an adapter."""
         try:
-            processed = await self.engine.admit_and_process(prompts, params)
+            lora = model.lora if model is not None else None
+            processed = await self.engine.admit_and_process(prompts, params, lora)
         except ValueError as e:
             message = str(e)
             for ours, theirs in (renamed or {}).items():

@@ -212,7 +212,7 @@ def add_responses_routes(app: FastAPI, generation: Generation, stored: int = DEF
 
     @app.post("/v1/responses", responses=GENERATION_RESPONSES)
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
-        generation.check_model(body.model)
+        model = generation.check_model(body.model)
         history: list[dict] = []
         if body.previous_response_id is not None:
             previous = store.get(body.previous_response_id)
@@ -226,10 +226,10 @@ def add_responses_routes(app: FastAPI, generation: Generation, stored: int = DEF
         params = checked(lambda: body.sampling_params(tools))
         try:
             prompt = await generation.chat_prompt(system + history + new, tools, messages_field="input")
-            streams = await generation.start([prompt], params, _RENAMED)
+            streams = await generation.start([prompt], params, _RENAMED, model)
         except APIError as e:
             raise _renamed(e) from None
-        meta = {"id": _id("resp"), "created_at": int(time.time()), "model": generation.model_name}
+        meta = {"id": _id("resp"), "created_at": int(time.time()), "model": model.name}
         builder = OutputBuilder(ToolCallStream() if tools is not None and tools.constrained else None)
         if body.stream:
             events = _events(body, meta, builder, streams[0], lambda r: keep(body, history, new, r))

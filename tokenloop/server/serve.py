@@ -83,7 +83,9 @@ class _DrainingServer(uvicorn.Server):
 def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = AsyncEngine(engine_config, config=config.limits)
-    app = build_app(engine, config.model_name, config.api_key, config.max_n, config.max_body_mb)
+    app = build_app(
+        engine, config.model_name, config.api_key, config.max_n, config.max_body_mb, engine_config.lora_modules
+    )
     uv_config = uvicorn.Config(
         app,
         host=config.host,

@@ -47,7 +47,7 @@ class DetokenizeRequest(_Request):
     tokens: list[Int(ge=0)]
 
 
-def add_tokenizer_routes(app: FastAPI, engine: AsyncEngine, check_model: Callable[[str | None], None]) -> None:
+def add_tokenizer_routes(app: FastAPI, engine: AsyncEngine, check_model: Callable[[str | None], object]) -> None:
     inputs = engine.inputs
     tokenizer = inputs.tokenizer
 
