@@ -111,7 +111,7 @@ def report(results: dict[tuple[str, str], dict], args: argparse.Namespace) -> st
     threads = args.threads or torch.get_num_threads()
     lines = [
         f"tokenloop bench train: {args.model or 'default model'}, float32, {threads} threads, "
-        f"{args.batch_size} rows x {args.row_len} tokens a step, AdamW, best of {args.steps} steps",
+        f"{args.batch_size} rows x {args.row_len} tokens a step, fused AdamW, best of {args.steps} steps",
         f"{'':40}{'tokenloop':>12}{'transformers':>14}{'ratio':>8}",
     ]
     for mode in ("full", f"LoRA r={args.lora_rank}"):
