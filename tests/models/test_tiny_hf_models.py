@@ -19,18 +19,19 @@ TINY = dict(
     num_key_value_heads=2,
     max_position_embeddings=128,
 )
+LLAMA3_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(**TINY, tie_word_embeddings=False),
     "llama3-rope-tied": lambda: transformers.LlamaConfig(
         **TINY,
         tie_word_embeddings=True,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32,
-        },
+        rope_scaling=LLAMA3_ROPE_SCALING,
     ),
     "mistral-sliding-window": lambda: transformers.MistralConfig(**TINY, sliding_window=8),
     "qwen2-bias": lambda: transformers.Qwen2Config(**TINY, tie_word_embeddings=True),

@@ -13,6 +13,7 @@ from gguf.quants import dequantize, quantize
 
 from tests.gguf_files import TOKENS, write_gguf
 from tests.helpers import forward_in_chunks
+from tests.models.test_tiny_hf_models import LLAMA3_ROPE_SCALING
 from tokenloop.models.config import ModelConfig
 from tokenloop.models.gguf_loader import unpermute_rope_rows
 from tokenloop.models.gguf_metadata import open_gguf, read_metadata
@@ -108,13 +109,7 @@ def test_peft_key_shares_a_and_splits_b_rows(tiny_gemma3_folder):
 
 HF_CONFIGS = {
     "llama3-rope": lambda: transformers.LlamaConfig(
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32,
-        },
+        rope_scaling=LLAMA3_ROPE_SCALING,
         tie_word_embeddings=True,
     ),
     "mistral-sliding-window": lambda: transformers.MistralConfig(sliding_window=8),
