@@ -42,6 +42,11 @@ def wait_until_idle(server, timeout_s: float = 15) -> dict[str, float]:
         time.sleep(0.05)
 
 
+# Long enough that the 32 streams run together whatever the admission's pace (16 tokens on the tiny model could
+# finish the first before the last arrived, and nothing was preempted).
+STREAM_TOKENS = 48
+
+
 def test_32_concurrent_streams_all_complete_even_with_preemption(server, client):
     prompts = [f"Request {i}: the quick brown fox" for i in range(32)]
     before = server.metrics()
@@ -50,7 +55,7 @@ def test_32_concurrent_streams_all_complete_even_with_preemption(server, client)
         stream = await aclient.completions.create(
             model=MODEL_NAME,
             prompt=prompt,
-            max_tokens=16,
+            max_tokens=STREAM_TOKENS,
             temperature=0,
             stream=True,
             stream_options={"include_usage": True},
@@ -69,15 +74,15 @@ def test_32_concurrent_streams_all_complete_even_with_preemption(server, client)
 
     results = asyncio.run(all_at_once())
     for text, finish_reason, usage in results:
-        assert finish_reason == "length" and usage.completion_tokens == 16
+        assert finish_reason == "length" and usage.completion_tokens == STREAM_TOKENS
     after = wait_until_idle(server)
-    # 32 requests need at least 2 KV blocks each by their last token; the pool has fewer than 64: some were preempted.
+    # 32 requests need at least 4 KV blocks each by their last token; the pool has fewer than 64: some were preempted.
     assert after["tokenloop_kv_cache_blocks_total"] < 64
     assert after["tokenloop_num_preemptions_total"] > before["tokenloop_num_preemptions_total"]
     # Batched, preempted and recomputed, each stream still says what the request alone says.
     alone = [
         client.completions.create(
-            model=MODEL_NAME, prompt=p, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+            model=MODEL_NAME, prompt=p, max_tokens=STREAM_TOKENS, temperature=0, extra_body={"ignore_eos": True}
         )
         .choices[0]
         .text
