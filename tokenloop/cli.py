@@ -67,7 +67,7 @@ def _add_speculative_arg(p: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help=(
             'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-            'or \'{"method": "draft", "model": NAME}\''
+            'or \'{"method": "draft", "model": NAME}\' or \'{"method": "eagle", "model": DRAFTER_FOLDER}\''
         ),
     )
 
@@ -162,6 +162,8 @@ def cmd_generate(args) -> int:
     print()
     if args.stats:
         print(stats.summary(), file=sys.stderr)
+        if llm.llm_engine.speculator is not None:
+            print(llm.llm_engine.speculator.stats.summary(), file=sys.stderr)
     return 0
 
 

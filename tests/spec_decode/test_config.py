@@ -13,7 +13,7 @@ from tokenloop.spec_decode.config import SpeculativeConfig
 @pytest.mark.parametrize(
     "config, message",
     [
-        ({"method": "medusa"}, "method must be one of ngram, draft, got 'medusa'"),
+        ({"method": "medusa"}, "method must be one of ngram, draft, eagle, got 'medusa'"),
         ({}, "method is required"),
         (
             {"method": "ngram", "num_speculative_tokens": 0},

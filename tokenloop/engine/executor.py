@@ -28,6 +28,7 @@ class StepResult:
     scores: list[PromptScores] = field(default_factory=list)
     failed: dict[str, Exception] = field(default_factory=dict)  # request id -> what failed it
     decode_cost: tuple[int, float] | None = None  # a decode-only step's query tokens, and its forward pass's seconds
+    hidden: torch.Tensor | None = None  # [T, hidden]: each new token's final hidden state, in batch order (if kept)
 
     def fail(self, request_id: str, stage: str, error: Exception) -> None:
         """Record (and log, with the traceback unless a test injected it) that a request failed."""
@@ -107,12 +108,13 @@ class StepExecutor:
         only the rows that fail are lost."""
         seqs = result.batch.seqs
         try:
-            logits = self.runner.logits(inp)
+            rows = self.runner.forward_rows(inp)
         except Exception as e:
             logger.exception("the forward pass failed: failing the %d requests of its batch", len(seqs))
             for seq in seqs:
                 result.failed.setdefault(seq.request_id, e)
             return
+        logits, result.hidden = rows.logits, rows.hidden
         if logits is None:
             return
         if any(span.num_scored for span in inp.spans):

@@ -86,8 +86,9 @@ class LLMEngine:
             from tokenloop.spec_decode.factory import build_speculator
 
             eos = set(self.tokenizer.eos_token_ids)
-            self.speculator = build_speculator(config, loaded.config.vocab_size, self.max_model_len, eos, num_blocks)
+            self.speculator = build_speculator(config, self.runner, self.max_model_len, eos, num_blocks)
             self.scheduler.on_finish.append(self.speculator.release)
+            self.runner.hidden_states = self.speculator.proposer.wants_hidden_states
         faults = [FaultInjection.parse(spec) for spec in config.inject_faults]
         self.executor = StepExecutor(self.runner, faults, threads, adaptive=config.threads is None)
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len, self.speculator is not None, faults)
@@ -222,7 +223,7 @@ class LLMEngine:
         progressed = self.output_processor.process(result, self.requests)
         num_sampled = result.num_sampled()
         if self.speculator is not None:
-            self.speculator.record(result.batch, num_sampled, result.decode_cost)
+            self.speculator.record(result.batch, num_sampled, result.decode_cost, result.hidden)
         self.scheduler.update_from_output(result.batch, num_sampled)
         return self._outputs(progressed, result)
 

@@ -81,6 +81,14 @@ class EngineMetrics:
             "Mean draft length the cost model chose in the latest step",
             registry=r,
         )
+        self.spec_draft_seconds = Counter(
+            "tokenloop_spec_decode_draft_seconds", "Seconds the proposer spent drafting", registry=r
+        )
+        self.spec_draft_ms_per_step = Gauge(
+            "tokenloop_spec_decode_draft_ms_per_step",
+            "Milliseconds the proposer spent per step it drafted in, since the start",
+            registry=r,
+        )
         self._spec_seen = SpecStats()
 
     def observe_engine(self, engine: LLMEngine) -> None:
@@ -117,4 +125,6 @@ class EngineMetrics:
         if stats.num_drafts:
             self.spec_mean_accepted_length.set(1 + stats.num_accepted_tokens / stats.num_drafts)
         self.spec_draft_length.set(stats.last_chosen)
+        self.spec_draft_seconds.inc(stats.draft_seconds - seen.draft_seconds)
+        self.spec_draft_ms_per_step.set(stats.draft_ms_per_step)
         self._spec_seen = replace(stats, accepted_per_position=list(stats.accepted_per_position))

@@ -132,6 +132,9 @@ class ModelInput:
     decode_only: bool  # one new token per sequence: the compiled step's case
     block_copies: list[tuple[int, int]]  # (source, destination) KV blocks copied before the forward pass
     lora: LoRABatch | None = None  # the rows of each adapter in the batch (None: every row is the base model's)
+    # [H] the flat rows whose final hidden state (after the final norm: the LM head's input) the step returns, for a
+    # drafter's features (ModelRunner.hidden_states: every new token's row, in order); None: none.
+    hidden_rows: torch.Tensor | None = None
 
     @property
     def sample_spans(self) -> list[LogitSpan]:
@@ -141,6 +144,51 @@ class ModelInput:
     def sample_seq_indices(self) -> list[int]:
         """[S] which sequences of the batch sample this step."""
         return [span.seq_index for span in self.spans if span.samples]
+
+
+@dataclass(slots=True)
+class ForwardRows:
+    """What a forward pass returns: float32 logits [R, V] of inp.logit_rows (None: no sequence asks for any) and
+    the final hidden states [H, hidden] of inp.hidden_rows (None: none asked for)."""
+
+    logits: torch.Tensor | None
+    hidden: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class PagedBatch:
+    """Where the new tokens of B sequences sit in a paged KV cache: T rows, sequence b's `lens[b]` tokens from
+    position starts[b] on, flattened in order. Any model over such a cache builds its step from it (the target's
+    runner, an EAGLE head's own cache)."""
+
+    meta: AttentionMetadata
+    positions: torch.Tensor  # [T] on the device
+    lens: np.ndarray  # [B] int64
+    ends: np.ndarray  # [B] int64: one past each sequence's last row
+    seq_of_token: np.ndarray  # [T] int64: the sequence each row belongs to
+
+    @classmethod
+    def of(
+        cls, block_tables: list[list[int]], starts: list[int], lens: list[int], block_size: int, device: torch.device
+    ) -> PagedBatch:
+        bs = block_size
+        starts_np = np.array(starts, dtype=np.int64)  # [B]
+        lens_np = np.array(lens, dtype=np.int64)  # [B]
+        ends = lens_np.cumsum()
+        max_blocks = max(len(table) for table in block_tables)
+        tables = np.array([table + [0] * (max_blocks - len(table)) for table in block_tables], dtype=np.int64)
+        seq_of_token = np.repeat(np.arange(len(lens_np)), lens_np)  # [T]
+        positions = np.arange(len(seq_of_token)) - (ends - lens_np)[seq_of_token] + starts_np[seq_of_token]  # [T]
+        slot_mapping = tables[seq_of_token, positions // bs] * bs + positions % bs
+        meta = AttentionMetadata(
+            _to_device(slot_mapping, device),
+            _to_device(tables, device),
+            _to_device(ends - lens_np, device),
+            _to_device(lens_np, device),
+            _to_device(starts_np, device),
+            bs,
+        )
+        return cls(meta, _to_device(positions, device), lens_np, ends, seq_of_token)
 
 
 @dataclass(slots=True)
@@ -176,6 +224,8 @@ class ModelRunner:
             model, [attn.k_cache for attn in layers], [attn.v_cache for attn in layers], block_size, compile, background
         )
         self.sampler = Sampler()
+        # Steps return every new token's final hidden state too (ModelInput.hidden_rows): a drafter's features.
+        self.hidden_states = False
 
     def prepare(self, batch: ScheduledBatch) -> ModelInput:
         # The index arrays are a few dozen integers: numpy builds them faster than torch dispatches an op, which
@@ -188,29 +238,12 @@ class ModelRunner:
             input_ids += seq.token_ids[s : s + n]
             if d:  # the draft follows the sequence's last token
                 input_ids += seq.draft.token_ids
-        starts = np.array(starts_list, dtype=np.int64)  # [B]
-        lens = np.array(batch.num_new_tokens, dtype=np.int64)  # [B]
-        ends = lens.cumsum()
-        max_blocks = max(len(seq.block_table) for seq in batch.seqs)
-        block_tables = np.array(
-            [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in batch.seqs], dtype=np.int64
-        )
-        seq_of_token = np.repeat(np.arange(len(lens)), lens)  # [T]
-        positions = np.arange(len(seq_of_token)) - (ends - lens)[seq_of_token] + starts[seq_of_token]  # [T]
-        slot_mapping = block_tables[seq_of_token, positions // bs] * bs + positions % bs
-
         # Each sequence's new tokens (prompt chunk, last token, draft to verify) attend as one entry; the attention
         # kernel gives every query row the same floats whatever the entry's size, so how a sequence is scheduled
         # changes no token.
         device = self.device
-        meta = AttentionMetadata(
-            _to_device(slot_mapping, device),
-            _to_device(block_tables, device),
-            _to_device(ends - lens, device),
-            _to_device(lens, device),
-            _to_device(starts, device),
-            bs,
-        )
+        paged = PagedBatch.of([seq.block_table for seq in batch.seqs], starts_list, batch.num_new_tokens, bs, device)
+        lens, ends, seq_of_token = paged.lens, paged.ends, paged.seq_of_token
         spans, logit_rows = [], []
         for i, (seq, start, n, d, first_row) in enumerate(
             zip(batch.seqs, starts_list, batch.num_new_tokens, drafts, (ends - lens).tolist())
@@ -229,13 +262,14 @@ class ModelRunner:
                 logit_rows.extend(range(first_row + first - start, first_row + first - start + count))
         return ModelInput(
             input_ids=_to_device(np.array(input_ids, dtype=np.int64), device),
-            positions=_to_device(positions, device),
-            meta=meta,
+            positions=paged.positions,
+            meta=paged.meta,
             logit_rows=_to_device(np.array(logit_rows, dtype=np.int64), device),
             spans=spans,
             decode_only=bool((lens == 1 + np.array(drafts, dtype=np.int64)).all()),
             block_copies=batch.block_copies,
             lora=self._lora_batch(batch, seq_of_token),
+            hidden_rows=_to_device(np.arange(len(seq_of_token)), device) if self.hidden_states else None,
         )
 
     def _lora_batch(self, batch: ScheduledBatch, seq_of_token: np.ndarray) -> LoRABatch | None:
@@ -265,13 +299,19 @@ class ModelRunner:
     @torch.inference_mode()
     def logits(self, inp: ModelInput) -> torch.Tensor | None:
         """The forward pass: float32 logits [R, V] of the rows the sequences ask for (None if none does)."""
+        return self.forward_rows(inp).logits
+
+    @torch.inference_mode()
+    def forward_rows(self, inp: ModelInput) -> ForwardRows:
+        """The forward pass: the logits of inp.logit_rows and the final hidden states of inp.hidden_rows."""
         if inp.block_copies:
             self.copy_blocks(inp.block_copies)
         with self.lora.use(inp.lora):  # the compiled step is the base model's: adapters' rows run eager
             hidden = self.forward(inp.input_ids, inp.positions, inp.meta, inp.decode_only and inp.lora is None)
+        rows = None if inp.hidden_rows is None else hidden[inp.hidden_rows]
         if not inp.spans:
-            return None
-        return self.model.compute_logits(hidden[inp.logit_rows]).float()
+            return ForwardRows(None, rows)
+        return ForwardRows(self.model.compute_logits(hidden[inp.logit_rows]).float(), rows)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy on write: each destination block gets its source's K/V, in every layer, outside the compiled step

@@ -5,20 +5,23 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram", "draft")
+METHODS = ("ngram", "draft", "eagle")
 MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(slots=True)
 class SpeculativeConfig:
-    method: str  # "ngram" (prompt lookup) or "draft" (a smaller or cheaper model with the same vocabulary)
+    # "ngram" (prompt lookup), "draft" (a smaller or cheaper model with the same vocabulary) or "eagle" (a one-layer
+    # head over the target's features: models/eagle.py)
+    method: str
     # The most draft tokens per sequence and step; the cost model (spec_decode/cost_model.py) chooses at most this many.
     num_speculative_tokens: int = 4
     # False: every sequence drafts num_speculative_tokens each step (vLLM's rule), never fewer for cost.
     adaptive: bool = True
     prompt_lookup_min: int = 1  # ngram: the shortest suffix matched against the sequence's earlier tokens
     prompt_lookup_max: int = 4  # ngram: the longest (tried first)
-    model: str | None = None  # draft: name, .gguf file or Hugging Face folder; None = the target's own model
+    # draft: name, .gguf file or Hugging Face folder; None = the target's own model. eagle: the drafter's folder.
+    model: str | None = None
     dtype: str = "auto"  # draft: its dtype ("auto" = the 4-bit fast path); the target keeps its own
 
     def __post_init__(self) -> None:
@@ -41,6 +44,8 @@ class SpeculativeConfig:
                 f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) "
                 f"must not exceed prompt_lookup_max ({self.prompt_lookup_max})"
             )
+        if self.method == "eagle" and self.model is None:
+            raise ValueError("speculative_config.model is required for method 'eagle': the drafter's folder")
         if self.method == "ngram" and self.model is not None:
             raise ValueError(
                 "speculative_config.model is for method 'draft'; 'ngram' looks tokens up in the sequence itself"

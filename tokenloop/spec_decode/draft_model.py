@@ -91,7 +91,7 @@ class DraftModelProposer(Proposer):
             started = time.perf_counter()
             inp = self.runner.prepare(batch)
             logits = self.runner.logits(inp)  # [len(rows), V]: each draft sequence's last position
-            drawn, q = self._draw(logits, batch.seqs)
+            drawn, q = draw(logits, batch.seqs)
             if inp.decode_only:
                 self.costs.observe(len(batch.seqs), time.perf_counter() - started)
             for r, (i, draft, n) in enumerate(zip(rows, batch.seqs, batch.num_new_tokens)):
@@ -122,18 +122,19 @@ class DraftModelProposer(Proposer):
         self._synced[seq.seq_id] = seq.num_tokens
         return draft
 
-    @staticmethod
-    def _draw(logits: torch.Tensor, drafts: list[Sequence]) -> tuple[list[int], torch.Tensor | None]:
-        """A token per row: the argmax for greedy rows, a draw from q for the others (q returned: [rows, V])."""
-        params = [d.params for d in drafts]
-        batch = SamplingBatch.from_params(params, [d.generator for d in drafts], logits.shape[-1], logits.device)
-        if batch.all_greedy:
-            return argmax(logits).tolist(), None
-        q = Sampler.probs(logits, batch)
-        drawn = torch.where(batch.temperature == 0, argmax(logits), random_sample(q, batch.generators))
-        return drawn.tolist(), q
-
     def release(self, seq: Sequence) -> None:
         if (draft := self.states.pop(seq.seq_id, None)) is not None:
             self.block_manager.free(draft)
             del self._synced[seq.seq_id]
+
+
+def draw(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor | None]:
+    """A draft token per row of `logits` by seqs[row]'s parameters: the argmax for greedy rows, a draw from q (the
+    request's temperature, min-p, top-k and top-p applied) for the others, q returned ([rows, V]; None: all greedy)."""
+    params = [s.params for s in seqs]
+    batch = SamplingBatch.from_params(params, [s.generator for s in seqs], logits.shape[-1], logits.device)
+    if batch.all_greedy:
+        return argmax(logits).tolist(), None
+    q = Sampler.probs(logits, batch)
+    drawn = torch.where(batch.temperature == 0, argmax(logits), random_sample(q, batch.generators))
+    return drawn.tolist(), q

@@ -3,19 +3,38 @@
 from __future__ import annotations
 
 from tokenloop.engine.config import EngineConfig, compile_spec
+from tokenloop.engine.model_runner import ModelRunner
 from tokenloop.spec_decode.draft_model import DraftModelProposer
+from tokenloop.spec_decode.eagle import EagleProposer
 from tokenloop.spec_decode.ngram import NgramProposer
 from tokenloop.spec_decode.proposer import Proposer
 from tokenloop.spec_decode.speculator import Speculator
 
 
 def build_speculator(
-    config: EngineConfig, vocab_size: int, max_model_len: int, stop_token_ids: set[int], num_blocks: int
+    config: EngineConfig,
+    target: ModelRunner,
+    max_model_len: int,
+    stop_token_ids: set[int],
+    num_blocks: int,
 ) -> Speculator:
+    """`target`: the engine's runner (its model's vocabulary; an EAGLE head shares its embedding and LM head)."""
     spec = config.speculative_config
+    vocab_size = target.config.vocab_size
     proposer: Proposer
     if spec.method == "ngram":
         proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    elif spec.method == "eagle":  # the target's dtype and KV dtype, its device and block size
+        proposer = EagleProposer.load(
+            spec.model,
+            target.model,
+            target.config,
+            config.torch_dtype,
+            config.kv_cache_dtype,
+            config.torch_device,
+            num_blocks,
+            config.block_size,
+        )
     else:  # the draft model's own config: its dtype, the target's device, cache blocks and compile setting
         draft = EngineConfig(
             model=spec.model or config.model,

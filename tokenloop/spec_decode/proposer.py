@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenloop.engine.scheduler import ScheduledBatch
 from tokenloop.engine.sequence import Sequence
 from tokenloop.spec_decode.cost_model import StepCosts
 
@@ -28,6 +29,8 @@ class Proposer:
 
     # What drafting costs per step (a draft model's forward passes), None when it costs next to nothing (lookup).
     costs: StepCosts | None = None
+    # It drafts from the target's features: each step then returns every new token's final hidden state (observe).
+    wants_hidden_states: bool = False
 
     def limits(self, seqs: list[Sequence], k: int) -> list[int]:
         """How many tokens it could propose for each sequence, at most k (a lookup knows before it proposes)."""
@@ -38,3 +41,8 @@ class Proposer:
 
     def release(self, seq: Sequence) -> None:
         """The sequence has finished or been aborted: forget what is kept for it (a draft model's KV blocks)."""
+
+    def observe(self, batch: ScheduledBatch, num_sampled: list[int | None], hidden: torch.Tensor) -> None:
+        """After a verified step (before the scheduler steps the sequences on), with wants_hidden_states: hidden
+        [T, d] holds each batch sequence's new tokens' final hidden states, batch.num_new_tokens[i] rows each from
+        position seq.num_computed_tokens (a draft's rows included); num_sampled as Speculator.record has it."""

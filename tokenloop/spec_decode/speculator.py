@@ -10,7 +10,10 @@ with the machine's speed, and a seeded request's tokens must not.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
+
+import torch
 
 from tokenloop.engine.block_manager import BlockManager
 from tokenloop.engine.scheduler import ScheduledBatch
@@ -35,6 +38,27 @@ class SpecStats:
     num_planned_steps: int = 0  # steps that had a sequence to draft for, and the draft tokens chosen over them
     num_chosen_tokens: int = 0
     last_chosen: float = 0.0  # the mean draft length chosen in the latest such step
+    num_proposing_steps: int = 0  # steps whose proposer ran, and the seconds it took over them
+    draft_seconds: float = 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verifying step: accepted draft tokens + 1 (1.0 before any draft)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def draft_ms_per_step(self) -> float:
+        return 1e3 * self.draft_seconds / self.num_proposing_steps if self.num_proposing_steps else 0.0
+
+    def summary(self) -> str:
+        per_position = ", ".join(
+            f"{count / self.num_drafts:.2f}" if self.num_drafts else "0" for count in self.accepted_per_position
+        )
+        return (
+            f"speculation: {self.num_drafts} drafts, {self.num_accepted_tokens}/{self.num_draft_tokens} tokens "
+            f"accepted, mean accepted length {self.mean_accepted_length:.2f}, acceptance per position "
+            f"[{per_position}], draft {self.draft_ms_per_step:.2f} ms/step"
+        )
 
 
 class Speculator:
@@ -102,7 +126,11 @@ class Speculator:
         if not any(ks):
             return
         budget = max_num_batched_tokens - sum(batch.num_new_tokens)
-        for index, seq, draft in zip(candidates, seqs, self.proposer.propose(seqs, ks)):
+        started = time.perf_counter()
+        drafts = self.proposer.propose(seqs, ks)
+        self.stats.num_proposing_steps += 1
+        self.stats.draft_seconds += time.perf_counter() - started
+        for index, seq, draft in zip(candidates, seqs, drafts):
             draft = self._up_to_a_stop(draft, seq)
             d = min(len(draft), max(budget, 0))
             if d and block_manager.allocate(seq, seq.num_tokens + d):  # else no blocks to spare: it decodes one token
@@ -129,10 +157,19 @@ class Speculator:
                 seq.draft = None
             batch.num_new_tokens[:] = planned
 
-    def record(self, batch: ScheduledBatch, num_sampled: list[int | None], decode: tuple[int, float] | None) -> None:
+    def record(
+        self,
+        batch: ScheduledBatch,
+        num_sampled: list[int | None],
+        decode: tuple[int, float] | None,
+        hidden: torch.Tensor | None = None,
+    ) -> None:
         """After the step, before the scheduler rolls back the rejected tokens: count what each verified draft
         got accepted (num_sampled[i]: its accepted tokens and one more; None, failed), and, for a decode-only step
-        (query tokens, seconds), its cost."""
+        (query tokens, seconds), its cost. `hidden`: the step's final hidden states, for a proposer that wants
+        them (Proposer.observe)."""
+        if hidden is not None:
+            self.proposer.observe(batch, num_sampled, hidden)
         for seq, got in zip(batch.seqs, num_sampled):
             if seq.draft is None or got is None:
                 continue
