@@ -149,6 +149,15 @@ def real_lora(default_model_path, tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="session")
+def tiny_drafter_folder(tiny_model_folder, tmp_path_factory) -> Path:
+    """An EAGLE drafter for the tiny model: 300 of its 400 tokens, a head that drafts the last token again (its
+    greedy drafts are accepted where the model repeats a token, rejected elsewhere)."""
+    from tests.eagle_helpers import write_random_drafter
+
+    return write_random_drafter(tmp_path_factory.mktemp("tiny_drafter"), tiny_model_folder, 300, seed=0, echo=True)
+
+
+@pytest.fixture(scope="session")
 def long_context_model_folder(tiny_model_folder, tmp_path_factory) -> Path:
     """The tiny model with a 4,096-token context: long prompts, and streams that outgrow the socket buffers."""
     import json

@@ -434,16 +434,34 @@ def test_chunked_prefill_gives_the_same_tokens(make_llm, tiny_model_folder, refe
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] == reference
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "eagle"])
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix cache", "no prefix cache"])
-def test_speculative_decoding_gives_the_same_tokens(make_llm, tiny_model_folder, reference, method, prefix_caching):
-    # Drafts every step (adaptive off); the draft model is the tiny model itself in bfloat16 (close, not equal).
-    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False} | (
-        {"model": str(tiny_model_folder), "dtype": "bfloat16"} if method == "draft" else {}
+def test_speculative_decoding_gives_the_same_tokens(
+    make_llm, tiny_model_folder, tiny_drafter_folder, reference, method, prefix_caching
+):
+    # Drafts every step (adaptive off); the draft model is the tiny model itself in bfloat16 (close, not equal); the
+    # EAGLE head drafts the last token again.
+    spec = (
+        {"method": method, "num_speculative_tokens": 3, "adaptive": False}
+        | ({"model": str(tiny_model_folder), "dtype": "bfloat16"} if method == "draft" else {})
+        | ({"model": str(tiny_drafter_folder)} if method == "eagle" else {})
     )
     llm = make_llm(tiny_model_folder, enable_prefix_caching=prefix_caching, speculative_config=spec)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] == reference
-    assert llm.llm_engine.speculator.stats.num_accepted_tokens > 0
+    stats = llm.llm_engine.speculator.stats
+    # These prompts' continuations repeat no token: the echoing head's drafts are all rejected (test_eagle.py's
+    # prompts have them accepted).
+    assert stats.num_accepted_tokens > 0 if method != "eagle" else stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_an_eagle_drafter_in_a_batch_of_32_with_chunked_prefill_changes_no_token(
+    make_llm, tiny_model_folder, tiny_drafter_folder, reference, chunk
+):
+    spec = {"method": "eagle", "model": str(tiny_drafter_folder), "num_speculative_tokens": 3}
+    llm = make_llm(tiny_model_folder, max_num_batched_tokens=chunk, speculative_config=spec)
+    batch = (PROMPTS * 6)[:32]
+    assert [o.outputs[0].token_ids for o in llm.generate(batch, PARAMS, use_tqdm=False)] == (reference * 6)[:32]
 
 
 def test_a_request_alone_equals_it_inside_a_batch_of_32(tiny_llm):

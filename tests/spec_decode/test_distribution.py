@@ -80,18 +80,22 @@ NGRAM = {
 }
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "draft"])
-def test_two_token_joint_distribution_with_drafts_is_the_models(target, draft_folder, exact, proposer):
+@pytest.fixture(scope="module")
+def eagle_folder(target, tmp_path_factory):
+    """A random EAGLE head on 6 of the 8 tokens: q is zero on the other two, which the target still samples."""
+    from tests.eagle_helpers import write_random_drafter
+
+    return write_random_drafter(tmp_path_factory.mktemp("small_vocab_eagle"), target[0], 6, seed=3)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft", "eagle"])
+def test_two_token_joint_distribution_with_drafts_is_the_models(target, draft_folder, eagle_folder, exact, proposer):
+    model = {"draft": draft_folder, "eagle": eagle_folder}.get(proposer)
     spec = (
         NGRAM
         if proposer == "ngram"
-        else {
-            "method": "draft",
-            "model": str(draft_folder),
-            "dtype": "float32",
-            "num_speculative_tokens": 2,
-            "adaptive": False,
-        }
+        else {"method": proposer, "model": str(model), "num_speculative_tokens": 2, "adaptive": False}
+        | ({"dtype": "float32"} if proposer == "draft" else {})
     )
     pairs, llm = sample_pairs(target[0], spec)
     assert len(pairs) == REQUESTS * SAMPLES_PER_REQUEST

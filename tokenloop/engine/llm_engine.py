@@ -88,6 +88,7 @@ class LLMEngine:
             eos = set(self.tokenizer.eos_token_ids)
             self.speculator = build_speculator(config, self.runner, self.max_model_len, eos, num_blocks)
             self.scheduler.on_finish.append(self.speculator.release)
+            self.scheduler.on_fork.append(self.speculator.proposer.fork)
             self.runner.hidden_states = self.speculator.proposer.wants_hidden_states
         faults = [FaultInjection.parse(spec) for spec in config.inject_faults]
         self.executor = StepExecutor(self.runner, faults, threads, adaptive=config.threads is None)

@@ -37,6 +37,8 @@ class Scheduler:
         self.paused: list[Sequence] = []
         self.num_preemptions = 0
         self.on_finish: list[Callable[[Sequence], None]] = []  # told of every sequence that ends (a proposer's state)
+        # Told of every fork (parent, child, the child's computed tokens): a proposer may start it from the parent.
+        self.on_fork: list[Callable[[Sequence, Sequence, int], None]] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -118,6 +120,8 @@ class Scheduler:
         once, from `num_computed_tokens` on, and shares every block until one of them writes into a shared one."""
         self.block_manager.fork(parent, child, len(child.token_ids))
         child.num_computed_tokens = num_computed_tokens
+        for listener in self.on_fork:
+            listener(parent, child, num_computed_tokens)
         if len(self.running) < self.max_num_seqs:
             child.status = SequenceStatus.RUNNING
             self.running.append(child)

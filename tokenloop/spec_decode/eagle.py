@@ -8,11 +8,11 @@ feature and the token it drafted (EAGLE), one row per sequence, drafting the nex
 rolled back at once: the next proposal computes their positions again from the target's features.
 
 The head's rows follow its target's computing: where the target took a prompt's first blocks from the prefix
-cache, or a completion forked off another's prompt, it starts at the first position the target computed (the head
-attends to what it has seen; the drafts are worse for it, never the tokens). Draft tokens are drawn over the draft
-vocabulary (argmax for greedy rows; the request's temperature, min-p, top-k and top-p for the others) and handed
-over as target ids, with q scattered into the target's vocabulary (zero outside the draft's): verification stays
-exact.
+cache, it starts at the first position the target computed (the head attends to what it has seen; the drafts are
+worse for it, never the tokens); a completion forked off another's prompt starts from that one's features. Draft
+tokens are drawn over the draft vocabulary (argmax for greedy rows; the request's temperature, min-p, top-k and
+top-p for the others) and handed over as target ids, with q scattered into the target's vocabulary (zero outside
+the draft's): verification stays exact.
 """
 
 from __future__ import annotations
@@ -183,6 +183,17 @@ class EagleProposer(Proposer):
         for r, n in zip(rows, counts):
             r.num_computed_tokens += n
         return out
+
+    def fork(self, parent: Sequence, child: Sequence, num_computed_tokens: int) -> None:
+        """A child forked off a prompt its parent computed (n completions) starts from the parent's features, so
+        that it drafts at its first step; where the parent's head has rows already, it starts from its own."""
+        state = self.states.get(parent.seq_id)
+        if state is None or state.rows.num_computed_tokens:
+            return
+        keep = num_computed_tokens - state.offset  # the positions the child does not compute again
+        if keep > 0:
+            rows = Sequence(child.seq_id, [], 0, child.params)
+            self.states[child.seq_id] = EagleState(rows, state.offset, state.features[:keep])
 
     def release(self, seq: Sequence) -> None:
         if (state := self.states.pop(seq.seq_id, None)) is not None:

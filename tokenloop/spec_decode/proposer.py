@@ -39,6 +39,9 @@ class Proposer:
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Draft]:
         raise NotImplementedError
 
+    def fork(self, parent: Sequence, child: Sequence, num_computed_tokens: int) -> None:
+        """`child` starts on `parent`'s first num_computed_tokens computed tokens (Scheduler.fork)."""
+
     def release(self, seq: Sequence) -> None:
         """The sequence has finished or been aborted: forget what is kept for it (a draft model's KV blocks)."""
 
