@@ -13,6 +13,7 @@ from tokenloop.bench import serve_peers as serve_bench
 from tokenloop.bench import train as train_bench
 from tokenloop.models import store
 from tokenloop.train import command as train_command
+from tokenloop.train import drafter_command
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -417,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     train_bench.add_arguments(p)
     p.set_defaults(func=train_bench.main_from_args)
     train_command.add_arguments(sub.add_parser("train", help="fine-tune a model on JSONL data, full or LoRA"))
+    drafter_command.add_arguments(sub.add_parser("train-drafter", help="train an EAGLE drafter for a model"))
     sub.add_parser("models", help="list known models").set_defaults(func=cmd_models)
     p = sub.add_parser("pull", help="fetch a known model into the local store, and compile its decode step")
     p.add_argument("name")
