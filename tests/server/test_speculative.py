@@ -66,7 +66,8 @@ def test_prometheus_counts_drafts_and_accepted_tokens(spec_server):
 @pytest.mark.parametrize(
     "config, message",
     [
-        ('{"method": "eagle"}', "speculative_config.method must be one of ngram, draft"),
+        ('{"method": "medusa"}', "speculative_config.method must be one of ngram, draft, eagle"),
+        ('{"method": "eagle"}', "speculative_config.model is required for method 'eagle'"),
         (
             '{"method": "ngram", "num_speculative_tokens": 32}',
             r"num_speculative_tokens must be an integer in \[1, 16\]",
