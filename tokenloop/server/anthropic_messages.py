@@ -39,8 +39,8 @@ from pydantic import BaseModel
 from tokenloop.outputs import CompletionOutput, RequestOutput
 from tokenloop.sampling.params import SamplingParams
 from tokenloop.server.anthropic_protocol import CountTokensRequest, MessagesRequest
-from tokenloop.server.errors import APIError, param_of
-from tokenloop.server.generation import Generation, sse
+from tokenloop.server.errors import APIError
+from tokenloop.server.generation import Generation, params_or_400, sse
 from tokenloop.server.responses import ToolCallStream
 from tokenloop.tools.calling import ToolCalling
 from tokenloop.tools.parser import parse_reply
@@ -135,10 +135,7 @@ def add_messages_routes(app: FastAPI, generation: Generation) -> None:
 
 async def _prompt(generation: Generation, body: CountTokensRequest) -> tuple[ToolCalling | None, dict]:
     """The body's tools and its prompt; a last assistant turn is continued (Anthropic's prefill)."""
-    try:
-        tools = body.tool_calling()
-    except ValueError as e:
-        raise APIError(400, str(e), param_of(str(e))) from None
+    tools = params_or_400(body.tool_calling)
     try:
         messages, continues = body.conversation()
     except ValueError as e:
@@ -153,8 +150,8 @@ async def _prompt(generation: Generation, body: CountTokensRequest) -> tuple[Too
 
 
 def _sampling_params(body: MessagesRequest, tools: ToolCalling | None) -> SamplingParams:
-    try:
-        return SamplingParams(
+    return params_or_400(
+        lambda: SamplingParams(
             max_tokens=body.max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
@@ -163,8 +160,7 @@ def _sampling_params(body: MessagesRequest, tools: ToolCalling | None) -> Sampli
             stop=body.stop_sequences or [],
             structured_outputs=tools.structured_outputs() if tools is not None else None,
         )
-    except ValueError as e:
-        raise APIError(400, str(e), param_of(str(e))) from None
+    )
 
 
 def _dump(model: BaseModel) -> dict:

@@ -11,12 +11,11 @@ from fastapi.responses import JSONResponse, Response
 from tokenloop.outputs import RequestOutput
 from tokenloop.sampling.params import SamplingParams
 from tokenloop.server.errors import error_body
-from tokenloop.server.generation import GENERATION_RESPONSES, Generation, sse
+from tokenloop.server.generation import GENERATION_RESPONSES, Generation, params_or_400, sse
 from tokenloop.server.openai_shared import (
     Bounds,
     choice_updates,
     meta_of,
-    params_or_400,
     prompt_logprobs_field,
     renamed_fields,
     usage_chunk,

@@ -136,6 +136,15 @@ async def _last_outputs(streams: list[AsyncIterator[RequestOutput]]) -> list[Req
         raise APIError(500, f"the engine failed this request: {e}") from None
 
 
+def params_or_400(make):
+    """make(), its ValueError (a message that starts with the field's name) made a 400 naming that field: how every
+    API turns its body into SamplingParams or a ToolCalling."""
+    try:
+        return make()
+    except ValueError as e:
+        raise APIError(400, str(e), param_of(str(e))) from None
+
+
 async def until_disconnected(request: Request, coro):
     """Run `coro`, cancelling it (which aborts its requests) if the client goes away first."""
     task = asyncio.ensure_future(coro)

@@ -42,8 +42,8 @@ from pydantic import BaseModel
 
 from tokenloop.engine.async_engine import RequestFailed
 from tokenloop.outputs import CompletionOutput, RequestOutput
-from tokenloop.server.errors import ERROR_RESPONSES, APIError, error_body, param_of
-from tokenloop.server.generation import GENERATION_RESPONSES, Generation, sse
+from tokenloop.server.errors import ERROR_RESPONSES, APIError, error_body
+from tokenloop.server.generation import GENERATION_RESPONSES, Generation, params_or_400, sse
 from tokenloop.server.response_store import DEFAULT_STORED_RESPONSES, ResponseStore, StoredResponse
 from tokenloop.server.responses import ToolCallStream
 from tokenloop.server.responses_protocol import ResponsesRequest, template_messages
@@ -202,9 +202,9 @@ def add_responses_routes(app: FastAPI, generation: Generation, stored: int = DEF
 
     def checked(make: Callable):
         try:
-            return make()
-        except ValueError as e:
-            raise _renamed(APIError(400, str(e), param_of(str(e)))) from None
+            return params_or_400(make)
+        except APIError as e:
+            raise _renamed(e) from None
 
     def keep(body: ResponsesRequest, history: list[dict], new: list[dict], response: dict) -> None:
         if body.store is not False:

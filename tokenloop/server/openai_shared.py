@@ -13,8 +13,7 @@ from fastapi.responses import JSONResponse
 
 from tokenloop.engine.async_engine import RequestFailed
 from tokenloop.outputs import CompletionOutput, RequestOutput
-from tokenloop.sampling.params import SamplingParams
-from tokenloop.server.errors import APIError, param_of
+from tokenloop.server.errors import APIError
 from tokenloop.server.generation import merge, until_disconnected
 from tokenloop.server.protocol import ChatCompletionRequest, CompletionRequest
 from tokenloop.server.responses import ChoiceIndexer, ChoiceProgress, Usage, prompt_logprobs
@@ -87,13 +86,6 @@ async def voted(
         "stopped_early": result.stopped_early,
     }
     return JSONResponse(meta | {"choices": choices, "usage": usage.as_dict(), "self_consistency": votes})
-
-
-def params_or_400(make) -> SamplingParams:
-    try:
-        return make()
-    except ValueError as e:
-        raise APIError(400, str(e), param_of(str(e))) from None
 
 
 async def choice_updates(
