@@ -317,6 +317,15 @@ class Int8Weights(QuantizedModule):
             return self._kernel_product(x)
         return F.linear(x, self.weight_int8().dequantize().to(x.dtype), self.bias)
 
+    def select_rows(self, index: torch.Tensor) -> Int8Linear:
+        """A module of rows `index` (1-D) only, the same int8 values and scales: its products are those rows' of
+        this one's (a draft vocabulary's slice of the LM head, read at a fraction of the bytes)."""
+        q, scales, _ = self._read_rows(index)
+        part = Int8Linear(self.cols, len(index), bias=False, layout=self.layout).to(self.qweight.device)
+        part._store_rows(slice(None), q, scales, None)
+        part.cpu_kernel = self.cpu_kernel  # multiplied as this one is
+        return part
+
 
 class Int8Linear(Int8Weights):
     """y = x W^T (+ b) with W held as int8 (GGUF Q8_0, Q6_K, and Q5_0 packed with Q8_0 in one module)."""
