@@ -9,7 +9,7 @@ from tests.train.test_drafter_data import PROMPTS
 from tokenloop.models.eagle import save_drafter
 from tokenloop.models.loader import load_model
 from tokenloop.sampling.params import SamplingParams
-from tokenloop.train.drafter import DrafterTrainConfig, train_head
+from tokenloop.train.drafter import DrafterTrainConfig, head_losses, train_head
 from tokenloop.train.drafter_data import DistillConfig, collect
 
 
@@ -21,6 +21,12 @@ def test_a_head_trained_in_seconds_drafts_for_its_target(make_llm, tiny_model_fo
     first, last = metrics[0], metrics[-1]
     assert last["feature"] < first["feature"] and last["token"] < first["token"], (first, last)
     assert last["top1"] > first["top1"], (first, last)
+    # HASS-style: a second pass reads the head's own features; the first pass's figures are unchanged by it
+    batch = data.batch(list(range(4)))
+    rows = target.model.lm_head.weight[data.draft_vocab]
+    eagle_only, with_own = (head_losses(head, target.model, rows, batch, passes) for passes in (0, 1))
+    assert with_own["top1"] == eagle_only["top1"] and with_own["feature"] == eagle_only["feature"]
+    assert with_own["loss"] > eagle_only["loss"]
 
     folder = save_drafter(head.to(torch.bfloat16), tmp_path / "drafter")
     spec = {"method": "eagle", "model": str(folder), "num_speculative_tokens": 3, "adaptive": False}

@@ -48,7 +48,20 @@ def checkout() -> Path:
 
 
 def _git(root: Path, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()
+    try:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()
+    except OSError:  # no git
+        return ""
+
+
+def source_commit(root: Path | None = None, ignore: tuple[str, ...] = RECORD_WRITES) -> str:
+    """The checkout's short commit, "+changes" where its tracked files (but `ignore`) differ from it; "unknown"
+    outside a git checkout."""
+    root = root or Path(__file__).resolve().parents[2]
+    commit = _git(root, "rev-parse", "--short", "HEAD") or "unknown"
+    if _git(root, "status", "--porcelain", "--untracked-files=no", "--", ".", *(f":!{p}" for p in ignore)):
+        commit += "+changes"  # measured on a tree that differs from the commit
+    return commit
 
 
 def cpu_name() -> str:
@@ -63,10 +76,7 @@ def cpu_name() -> str:
 def save(kind: str, report: str, root: Path | None = None) -> Path:
     """Append this run's report to the results and rewrite the docs; returns the results file."""
     root = root or checkout()
-    commit = _git(root, "rev-parse", "--short", "HEAD") or "unknown"
-    # what --record itself writes does not count as a change to the measured code
-    if _git(root, "status", "--porcelain", "--untracked-files=no", "--", ".", *(f":!{p}" for p in RECORD_WRITES)):
-        commit += "+changes"  # measured on a tree that differs from the commit
+    commit = source_commit(root)
     row = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "commit": commit,

@@ -36,27 +36,43 @@ class DrafterTrainConfig:
     min_lr_ratio: float = 0.1
     max_grad_norm: float = 0.5
     max_rows: int = 2048  # head rows a step
+    own_feature_passes: int = 0  # HASS-style passes in which the head reads its own features (0: EAGLE-1)
     seed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("epochs", "max_rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.own_feature_passes < 0:
+            raise ValueError(f"own_feature_passes must be >= 0, got {self.own_feature_passes}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
 
 
-def head_losses(head: EagleHead, target: nn.Module, rows: torch.Tensor, batch: DrafterBatch) -> dict[str, torch.Tensor]:
-    """The feature and token losses of one batch, and its top-1 agreement (a tensor each)."""
+def head_losses(
+    head: EagleHead, target: nn.Module, rows: torch.Tensor, batch: DrafterBatch, own_feature_passes: int = 0
+) -> dict[str, torch.Tensor]:
+    """The feature and token losses of one batch, and its top-1 agreement (a tensor each), summed over the first pass
+    (the target's features) and `own_feature_passes` more, each reading the pass before's outputs as the features of
+    the positions they predict (HASS: at drafting, every token after the first is drafted from the head's own
+    feature); a conversation's first row keeps the target's. top1 is the first pass's."""
     with torch.no_grad():
         embeds = target.embed(batch.input_ids)
-    out = head(embeds, batch.hidden, batch.meta.positions(), batch.meta)  # (T, d)
-    feature = F.smooth_l1_loss(out, batch.target_hidden)
+    positions = batch.meta.positions()
+    first_rows = (positions == 0).unsqueeze(-1)
     scored = batch.target_draft != IGNORE_INDEX
-    logits = F.linear(out[scored], rows)  # (N, Vd)
-    token = F.cross_entropy(logits, batch.target_draft[scored]) if bool(scored.any()) else out.sum() * 0
-    top1 = (logits.argmax(-1) == batch.target_draft[scored]).float().mean() if bool(scored.any()) else token.detach()
-    loss = feature + CE_WEIGHT * token
+    labels = batch.target_draft[scored]
+    features, passes = batch.hidden, []
+    for _ in range(1 + own_feature_passes):
+        out = head(embeds, features, positions, batch.meta)  # (T, d)
+        logits = F.linear(out[scored], rows)  # (N, Vd)
+        feature = F.smooth_l1_loss(out, batch.target_hidden)
+        token = F.cross_entropy(logits, labels) if len(labels) else out.sum() * 0
+        passes.append((feature, token, logits))
+        features = torch.where(first_rows, batch.hidden, torch.cat([batch.hidden[:1], out[:-1].detach()]))
+    feature, token, logits = passes[0]
+    top1 = (logits.argmax(-1) == labels).float().mean() if len(labels) else token.detach()
+    loss = sum(f + CE_WEIGHT * t for f, t, _ in passes)
     return {"loss": loss, "feature": feature.detach(), "token": token.detach(), "top1": top1.detach()}
 
 
@@ -85,7 +101,7 @@ def train_head(
         for conversations in batches:
             start = time.perf_counter()
             batch = data.batch(conversations)
-            losses = head_losses(head, model, rows, batch)
+            losses = head_losses(head, model, rows, batch, config.own_feature_passes)
             losses["loss"].backward()
             torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
             optimizer.step()

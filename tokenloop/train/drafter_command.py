@@ -4,9 +4,13 @@ them through the engine, its features are recorded, and a head is trained on the
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import shlex
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,6 +22,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256, help="answer tokens per conversation")
     p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (the answers' commonest)")
     p.add_argument("--epochs", type=int, default=4)
+    p.add_argument(
+        "--own-feature-passes",
+        type=int,
+        default=0,
+        help="HASS-style passes in which the head reads its own features (default 0: EAGLE-1's training)",
+    )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
@@ -34,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from tokenloop.train.drafter_data import DistillConfig, collect
     from tokenloop.train.drafter_dataset import DrafterData
 
+    started = time.perf_counter()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     output = Path(args.output)
@@ -45,7 +56,9 @@ def run(args: argparse.Namespace) -> int:
             distill = DistillConfig(args.prompts, args.max_tokens, seed=args.seed, draft_vocab_size=args.draft_vocab)
             data = collect(LLM(args.model, dtype=args.dtype), distill)
             data.save(data_dir)
-        config = DrafterTrainConfig(epochs=args.epochs, lr=args.lr, seed=args.seed)
+        config = DrafterTrainConfig(
+            epochs=args.epochs, lr=args.lr, own_feature_passes=args.own_feature_passes, seed=args.seed
+        )
         target = load_model(args.model, torch.float32, torch.device("cpu"), load_tokenizer=False)
         head, metrics = train_head(target, data, config)
     except ValueError as e:
@@ -55,9 +68,29 @@ def run(args: argparse.Namespace) -> int:
     with (output / "metrics.jsonl").open("w") as f:
         f.writelines(json.dumps(line) + "\n" for line in metrics)
     coverage = data.info.get("draft_vocab_coverage", float("nan"))
+    write_provenance(output, data.info, mean_top1(metrics), time.perf_counter() - started)
     print(
         f"{data.num_conversations} conversations, {data.num_answer_tokens} answer tokens, "
         f"draft vocabulary {len(data.draft_vocab)} (coverage {coverage:.3f}); "
         f"last steps' top-1 agreement {mean_top1(metrics):.3f}; drafter in {output}"
     )
     return 0
+
+
+def write_provenance(output: Path, data_info: dict[str, Any], top1: float, seconds: float) -> None:
+    """provenance.json beside the weights: the command and commit that made them, their sha256, the figures."""
+    from tokenloop.bench.record import cpu_name, source_commit
+    from tokenloop.models.eagle import PROVENANCE_FILE, WEIGHTS_FILE
+
+    provenance = {
+        "command": "tokenloop " + shlex.join(sys.argv[1:]),
+        "commit": source_commit(),
+        "cpu": cpu_name(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "sha256": hashlib.sha256((output / WEIGHTS_FILE).read_bytes()).hexdigest(),
+        "seconds": round(seconds, 1),
+        "last_steps_top1": round(top1, 4),
+        "data": {k: data_info.get(k) for k in ("model", "engine_dtype", "prompt_source", "config", "figures")}
+        | {"draft_vocab_coverage": data_info.get("draft_vocab_coverage")},
+    }
+    (output / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=1) + "\n")
