@@ -122,11 +122,30 @@ def test_a_drafter_for_another_target_is_refused_at_start_naming_both_sizes(
         make_llm(tiny_model_folder, speculative_config=eagle(drafter))
 
 
-def test_eagle_needs_its_drafter_folder():
-    from tokenloop.spec_decode.config import SpeculativeConfig
+def test_eagle_without_a_folder_takes_the_shipped_drafter_and_names_them_where_none_fits(make_llm, tiny_model_folder):
+    from tokenloop.models.eagle import SHIPPED_DRAFTERS, shipped_drafter
+    from tokenloop.models.store import KNOWN_MODELS
 
-    with pytest.raises(ValueError, match="model is required for method 'eagle'"):
-        SpeculativeConfig("eagle")
+    default = SHIPPED_DRAFTERS / "smollm2-135m-instruct"
+    assert shipped_drafter(None) == shipped_drafter("smollm2-135m-instruct") == default
+    assert shipped_drafter(f"/anywhere/{KNOWN_MODELS['smollm2-135m-instruct'].filename}") == default
+    with pytest.raises(ValueError, match="model is required for method 'eagle'.*drafters for smollm2-135m-instruct"):
+        make_llm(tiny_model_folder, speculative_config={"method": "eagle"})
+
+
+def test_the_shipped_drafter_is_under_10_mb_and_names_its_command_commit_and_checksum():
+    import hashlib
+    import json
+
+    from tokenloop.models.eagle import shipped_drafter
+
+    folder = shipped_drafter(None)
+    weights = (folder / "model.safetensors").read_bytes()
+    provenance = json.loads((folder / "provenance.json").read_text())
+    assert len(weights) <= 10 * 2**20
+    assert provenance["sha256"] == hashlib.sha256(weights).hexdigest()
+    assert provenance["command"].startswith("tokenloop train-drafter ") and provenance["commit"]
+    assert read_config(folder).target_vocab_size == 49152
 
 
 def test_metrics_and_stats_show_acceptance_per_position_and_draft_ms(make_llm, tiny_model_folder, tiny_drafter_folder):
@@ -158,18 +177,19 @@ def test_generate_stats_print_the_speculation_line(tiny_model_folder, tiny_draft
     assert "speculation: " in capsys.readouterr().err
 
 
-# On the default model (SmolLM2-135M): a random head over 16,384 of its 49,152 tokens.
+# On the default model (SmolLM2-135M): the drafter that ships for it.
 
 
 @pytest.fixture(scope="module")
-def real_drafter(default_model_path, tmp_path_factory):
-    return write_random_drafter(tmp_path_factory.mktemp("smollm2_drafter"), default_model_path, 16384, seed=0)
+def real_drafter():
+    from tokenloop.models.eagle import shipped_drafter
+
+    return shipped_drafter(None)
 
 
-def test_a_drafter_for_the_default_model_is_under_10_mb_in_bfloat16(default_model_path, real_drafter):
-    head = load_drafter(real_drafter, model_config(default_model_path), dtype=torch.bfloat16)
-    size = sum(t.numel() * t.element_size() for t in head.state_dict().values())
-    assert size < 10 * 2**20
+def test_the_shipped_drafter_fits_the_default_model(default_model_path, real_drafter):
+    head = load_drafter(real_drafter, model_config(default_model_path))
+    assert head.config.hidden_size == model_config(default_model_path).hidden_size
 
 
 @pytest.mark.parametrize("dtype", ["float32", "auto"], ids=["float32", "fast path"])
@@ -185,5 +205,6 @@ def test_real_greedy_tokens_on_fifty_prompts_with_the_drafter_equal_those_withou
     assert chat_tokens(spec, REAL_PROMPTS) == chat_tokens(plain, REAL_PROMPTS)
     batch = REAL_PROMPTS[:32]
     assert chat_tokens(spec, batch) == chat_tokens(plain, batch)
-    assert spec.llm_engine.speculator.stats.num_draft_tokens > 0
+    stats = spec.llm_engine.speculator.stats
+    assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > stats.num_accepted_tokens
     assert spec.llm_engine.speculator.proposer.block_manager.num_used_blocks == 0

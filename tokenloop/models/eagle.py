@@ -31,7 +31,10 @@ from tokenloop.models.layers import Linear, RotaryEmbedding
 from tokenloop.models.quant import Int8Embedding, low_precision_linear
 from tokenloop.models.registry import model_class
 
-CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+CONFIG_FILE, WEIGHTS_FILE, PROVENANCE_FILE = "config.json", "model.safetensors", "provenance.json"
+# Drafters that ship with tokenloop, one folder per known model (its name): config.json, model.safetensors and
+# provenance.json (the command that trained it, the commit, the weights' sha256 and the training figures).
+SHIPPED_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
 
 
 @dataclass(slots=True)
@@ -117,17 +120,17 @@ class EagleHead(nn.Module):
 
 
 class DraftVocabHead:
-    """The target's LM head on the draft vocabulary's rows only: logits [N, Vd] (draft index order). A dense head's
-    rows are gathered once; an int8 head (the tied fast path) computes every row and keeps the draft's."""
+    """The target's LM head on the draft vocabulary's rows only: logits [N, Vd] (draft index order), reading only
+    those rows (an int8 head's as int8, through the same kernel)."""
 
     def __init__(self, target: nn.Module, d2t: torch.Tensor) -> None:
-        self.target, self.d2t = target, d2t
         lm_head = target.lm_head
-        self.rows = None if isinstance(lm_head, Int8Embedding) else lm_head.weight.detach()[d2t]  # [Vd, d]
+        self.int8 = lm_head.select_rows(d2t) if isinstance(lm_head, Int8Embedding) else None
+        self.rows = None if self.int8 is not None else lm_head.weight.detach()[d2t]  # [Vd, d]
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.rows is None:
-            return self.target.compute_logits(hidden)[:, self.d2t]
+        if self.int8 is not None:
+            return self.int8(hidden)
         return low_precision_linear(hidden, self.rows)
 
 
@@ -140,11 +143,33 @@ def save_drafter(head: EagleHead, folder: str | os.PathLike) -> Path:
     return folder
 
 
+def shipped_drafter(target: str | None) -> Path:
+    """The drafter tokenloop ships for the target model `target` (a known model's name or its file; None: the
+    default)."""
+    from tokenloop.models.store import DEFAULT_MODEL, KNOWN_MODELS
+
+    name = str(target or DEFAULT_MODEL)
+    name = {m.filename: m.name for m in KNOWN_MODELS.values()}.get(Path(name).name, name)  # its pulled file too
+    folder = SHIPPED_DRAFTERS / name
+    if name not in KNOWN_MODELS or not (folder / CONFIG_FILE).is_file():
+        shipped = ", ".join(sorted(p.name for p in SHIPPED_DRAFTERS.iterdir() if (p / CONFIG_FILE).is_file()))
+        raise ValueError(
+            f"speculative_config.model is required for method 'eagle' with target {target!r}: tokenloop ships "
+            f"drafters for {shipped} only (train one with `tokenloop train-drafter --model ... --output DIR`)"
+        )
+    return folder
+
+
 def read_config(folder: str | os.PathLike) -> EagleConfig:
     path = Path(folder) / CONFIG_FILE
     if not path.is_file():
         raise ValueError(f"eagle drafter {os.fspath(folder)!r} has no {CONFIG_FILE}")
-    return EagleConfig(**json.loads(path.read_text()))
+    try:
+        return EagleConfig(**json.loads(path.read_text()))
+    except (TypeError, json.JSONDecodeError) as e:
+        raise ValueError(
+            f"eagle drafter {os.fspath(folder)!r}: {CONFIG_FILE} is not a drafter's config ({e})"
+        ) from None
 
 
 def load_drafter(

@@ -20,7 +20,8 @@ class SpeculativeConfig:
     adaptive: bool = True
     prompt_lookup_min: int = 1  # ngram: the shortest suffix matched against the sequence's earlier tokens
     prompt_lookup_max: int = 4  # ngram: the longest (tried first)
-    # draft: name, .gguf file or Hugging Face folder; None = the target's own model. eagle: the drafter's folder.
+    # draft: name, .gguf file or Hugging Face folder; None = the target's own model. eagle: the drafter's folder;
+    # None = the drafter tokenloop ships for the target (models/eagle.py: SHIPPED_DRAFTERS).
     model: str | None = None
     dtype: str = "auto"  # draft: its dtype ("auto" = the 4-bit fast path); the target keeps its own
 
@@ -44,8 +45,6 @@ class SpeculativeConfig:
                 f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) "
                 f"must not exceed prompt_lookup_max ({self.prompt_lookup_max})"
             )
-        if self.method == "eagle" and self.model is None:
-            raise ValueError("speculative_config.model is required for method 'eagle': the drafter's folder")
         if self.method == "ngram" and self.model is not None:
             raise ValueError(
                 "speculative_config.model is for method 'draft'; 'ngram' looks tokens up in the sequence itself"

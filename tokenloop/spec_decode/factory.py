@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tokenloop.engine.config import EngineConfig, compile_spec
 from tokenloop.engine.model_runner import ModelRunner
+from tokenloop.models.eagle import shipped_drafter
 from tokenloop.spec_decode.draft_model import DraftModelProposer
 from tokenloop.spec_decode.eagle import EagleProposer
 from tokenloop.spec_decode.ngram import NgramProposer
@@ -26,7 +27,7 @@ def build_speculator(
         proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     elif spec.method == "eagle":  # the target's dtype and KV dtype, its device and block size
         proposer = EagleProposer.load(
-            spec.model,
+            spec.model or shipped_drafter(config.model),
             target.model,
             target.config,
             config.torch_dtype,
