@@ -346,8 +346,13 @@ def main_from_args(args: argparse.Namespace) -> int:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.speculative:
         from tokenloop.bench import speculative
+        from tokenloop.models.eagle import shipped_drafter
 
-        table = speculative.report(str(resolve(args.model)), args.decode_tokens, args.repeats)
+        try:
+            drafter = str(shipped_drafter(args.model))
+        except ValueError:
+            drafter = None  # no EAGLE drafter ships for this model: its rows are left out
+        table = speculative.report(str(resolve(args.model)), args.decode_tokens, args.repeats, drafter)
         print(table)
         if args.record:
             record.save("speculative", table)

@@ -1,11 +1,14 @@
 """`tokenloop bench --speculative`: speculative decoding against tokenloop's own compiled decode without it, in one run.
 
-Four rows, each a ratio of tokens per second with speculation to tokens per second without, same model, same
+Rows, each a ratio of tokens per second with speculation to tokens per second without, same model, same
 prompts, same compiled decode step, greedy:
 - n-gram lookup on input-grounded chat (repeat, correct, rewrite, quote a given text), one request at a time;
 - the default model's 4-bit fast path drafting for its exact float32 path, against plain float32 decode;
 - n-gram lookup on open-ended chat, where it finds little (the cost model should turn drafting off);
-- 32 concurrent requests with n-gram lookup, against the same 32 without.
+- 32 concurrent requests with n-gram lookup, against the same 32 without;
+- where the model has an EAGLE drafter (models/eagle.py: one ships for the default model): the head on open-ended
+  chat, on 32 concurrent requests, and drafting for the float32 path beside the 4-bit self-draft, with its
+  acceptance per position beside EAGLE-1's published figures.
 Each repeat runs the two sides back to back, and a row's ratio is the median of the repeats' ratios: the
 machine's speed moves by more than some rows' effect within minutes, and a pair run together shares the speed
 of its moment (the best of each side alone paired one side's luckiest minute with the other's). The tokens per
@@ -16,6 +19,7 @@ acceptance rate, the mean accepted length and the mean draft length the cost mod
 from __future__ import annotations
 
 import gc
+import itertools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -26,6 +30,9 @@ from tokenloop.outputs import SpeculativeUsage
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
 DRAFT = {"method": "draft", "dtype": "auto", "num_speculative_tokens": 8}  # the target's own model, 4-bit
+EAGLE = {"method": "eagle", "num_speculative_tokens": 4}  # and "model": the drafter's folder
+# EAGLE-1's published acceptance per position on Vicuna-7B (its paper's n-alpha, MT-bench): the figures to set ours by
+EAGLE_PUBLISHED = "about 0.79, 0.74, ... 0.67"
 
 
 @dataclass(slots=True)
@@ -37,6 +44,20 @@ class Row:
     identical: bool = False
     usage: SpeculativeUsage = field(default_factory=SpeculativeUsage)  # the timed runs' drafts and accepted tokens
     mean_draft_length: float = 0.0
+    accepted_per_position: list[int] = field(default_factory=list)  # drafts whose token i was accepted (a chain)
+    draft_ms_per_step: float = 0.0
+
+    @property
+    def chain_acceptance(self) -> list[float]:
+        """Per position i: the share of drafts whose first i + 1 tokens were all accepted."""
+        return [n / self.usage.num_drafts for n in self.accepted_per_position] if self.usage.num_drafts else []
+
+    @property
+    def conditional_acceptance(self) -> list[float]:
+        """Per position i: the share of drafts reaching token i with it accepted, among those whose tokens before
+        it were (EAGLE's "n-alpha"); only positions some draft reached."""
+        reached = [self.usage.num_drafts, *self.accepted_per_position[:-1]]
+        return [n / r for n, r in zip(self.accepted_per_position, reached) if r]
 
     @property
     def ratios(self) -> list[float]:
@@ -89,6 +110,11 @@ def measure(row: Row, plain, spec, prompts: list[str], tokens: int, repeats: int
         stats.num_planned_steps,
         stats.num_chosen_tokens,
     )
+    per_position, proposing, draft_seconds = (
+        list(stats.accepted_per_position),
+        stats.num_proposing_steps,
+        stats.draft_seconds,
+    )
     plain_ids = spec_ids = None
     for _ in range(repeats):
         rate, plain_ids = _run(plain, prompts, tokens, together)
@@ -111,10 +137,16 @@ def measure(row: Row, plain, spec, prompts: list[str], tokens: int, repeats: int
     row.identical = plain_ids == spec_ids
     row.usage = SpeculativeUsage(drafts, draft_tokens, accepted)
     row.mean_draft_length = chosen / planned if planned else 0.0
+    row.accepted_per_position = [
+        now - then for now, then in itertools.zip_longest(stats.accepted_per_position, per_position, fillvalue=0)
+    ]
+    steps = stats.num_proposing_steps - proposing
+    row.draft_ms_per_step = 1e3 * (stats.draft_seconds - draft_seconds) / steps if steps else 0.0
     return row
 
 
-def run(model: str, tokens: int = 128, repeats: int = 3) -> list[Row]:
+def run(model: str, tokens: int = 128, repeats: int = 3, drafter: str | None = None) -> list[Row]:
+    """`drafter`: an EAGLE drafter's folder for `model` (its rows are left out without one)."""
     from tokenloop import LLM
 
     build_compiled_package(model, "auto")
@@ -126,15 +158,23 @@ def run(model: str, tokens: int = 128, repeats: int = 3) -> list[Row]:
     rows.append(measure(Row("n-gram, open-ended chat", 0.97), plain, spec, OPEN, tokens, repeats))
     batch = [f"Request {i}. " + p for i, p in enumerate((GROUNDED + OPEN) * 4)][:32]
     rows.append(measure(Row("n-gram, 32 concurrent requests", 1.0), plain, spec, batch, tokens, repeats, together=True))
+    if drafter is not None:
+        del spec
+        spec = LLM(model, compile=True, compile_in_background=False, speculative_config=EAGLE | {"model": drafter})
+        rows.append(measure(Row("EAGLE head, open-ended chat", 1.5), plain, spec, OPEN, tokens, repeats))
+        together = Row("EAGLE head, 32 concurrent requests", 1.0)
+        rows.append(measure(together, plain, spec, batch, tokens, repeats, together=True))
     del plain, spec
     gc.collect()
-    plain = LLM(model, dtype="float32", compile=True, compile_in_background=False)
-    spec = LLM(
-        model, dtype="float32", compile=True, compile_in_background=False, speculative_config=DRAFT | {"model": model}
-    )
-    rows.insert(
-        1, measure(Row("4-bit draft -> float32 target", 3.0), plain, spec, OPEN[:2] + GROUNDED[:1], tokens, repeats)
-    )
+    float32 = {"dtype": "float32", "compile": True, "compile_in_background": False}
+    plain = LLM(model, **float32)
+    spec = LLM(model, **float32, speculative_config=DRAFT | {"model": model})
+    prompts = OPEN[:2] + GROUNDED[:1]
+    rows.insert(1, measure(Row("4-bit draft -> float32 target", 3.0), plain, spec, prompts, tokens, repeats))
+    if drafter is not None:
+        del spec
+        spec = LLM(model, **float32, speculative_config=EAGLE | {"model": drafter})
+        rows.insert(2, measure(Row("EAGLE head -> float32 target", 2.0), plain, spec, prompts, tokens, repeats))
     return rows
 
 
@@ -156,8 +196,16 @@ def format_rows(rows: list[Row], model: str, tokens: int, repeats: int) -> str:
             f"{'yes' if r.identical else 'NO':>13}{r.usage.acceptance_rate:>10.2f}"
             f"{r.usage.mean_accepted_length or 1.0:>10.2f}{r.mean_draft_length:>8.2f}  {verdict}"
         )
+    for r in rows:
+        if r.label.startswith("EAGLE") and r.usage.num_drafts:
+            chain = ", ".join(f"{a:.2f}" for a in r.chain_acceptance)
+            conditional = ", ".join(f"{a:.2f}" for a in r.conditional_acceptance)
+            lines.append(
+                f"{r.label}: acceptance per position {conditional} (given the ones before; all of them: {chain}), "
+                f"draft {r.draft_ms_per_step:.2f} ms/step; EAGLE-1 on Vicuna-7B: {EAGLE_PUBLISHED}"
+            )
     lines.append(
-        "plain = tokenloop's compiled decode without speculation (the float32 row: plain float32); "
+        "plain = tokenloop's compiled decode without speculation (the float32 rows: plain float32); "
         "ratio = median of spec / plain over the paired runs (spread: lowest-highest)."
     )
     lines.append(
@@ -167,5 +215,5 @@ def format_rows(rows: list[Row], model: str, tokens: int, repeats: int) -> str:
     return "\n".join(lines)
 
 
-def report(model: str, tokens: int, repeats: int) -> str:
-    return format_rows(run(model, tokens, repeats), model, tokens, repeats)
+def report(model: str, tokens: int, repeats: int, drafter: str | None = None) -> str:
+    return format_rows(run(model, tokens, repeats, drafter), model, tokens, repeats)
