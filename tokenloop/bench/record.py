@@ -54,12 +54,12 @@ def _git(root: Path, *args: str) -> str:
         return ""
 
 
-def source_commit(root: Path | None = None, ignore: tuple[str, ...] = RECORD_WRITES) -> str:
-    """The checkout's short commit, "+changes" where its tracked files (but `ignore`) differ from it; "unknown"
-    outside a git checkout."""
+def source_commit(root: Path | None = None) -> str:
+    """The checkout's short commit, "+changes" where its tracked files differ from it (what --record itself writes
+    does not count); "unknown" outside a git checkout."""
     root = root or Path(__file__).resolve().parents[2]
     commit = _git(root, "rev-parse", "--short", "HEAD") or "unknown"
-    if _git(root, "status", "--porcelain", "--untracked-files=no", "--", ".", *(f":!{p}" for p in ignore)):
+    if _git(root, "status", "--porcelain", "--untracked-files=no", "--", ".", *(f":!{p}" for p in RECORD_WRITES)):
         commit += "+changes"  # measured on a tree that differs from the commit
     return commit
 

@@ -18,6 +18,7 @@ acceptance rate, the mean accepted length and the mean draft length the cost mod
 
 from __future__ import annotations
 
+import copy
 import gc
 import itertools
 import statistics
@@ -103,45 +104,26 @@ def measure(row: Row, plain, spec, prompts: list[str], tokens: int, repeats: int
     _run(plain, prompts, tokens, together)  # warm: the prompts enter both prefix caches, the cost model sees steps
     _run(spec, prompts, tokens, together)
     stats = spec.llm_engine.speculator.stats
-    before = (
-        stats.num_drafts,
-        stats.num_draft_tokens,
-        stats.num_accepted_tokens,
-        stats.num_planned_steps,
-        stats.num_chosen_tokens,
-    )
-    per_position, proposing, draft_seconds = (
-        list(stats.accepted_per_position),
-        stats.num_proposing_steps,
-        stats.draft_seconds,
-    )
+    before = copy.deepcopy(stats)  # the timed runs' figures are the differences from here
+
+    def timed(name: str) -> float:
+        return getattr(stats, name) - getattr(before, name)
+
     plain_ids = spec_ids = None
     for _ in range(repeats):
         rate, plain_ids = _run(plain, prompts, tokens, together)
         row.plain_rates.append(rate)
         rate, spec_ids = _run(spec, prompts, tokens, together)
         row.spec_rates.append(rate)
-    drafts, draft_tokens, accepted, planned, chosen = (
-        now - then
-        for now, then in zip(
-            (
-                stats.num_drafts,
-                stats.num_draft_tokens,
-                stats.num_accepted_tokens,
-                stats.num_planned_steps,
-                stats.num_chosen_tokens,
-            ),
-            before,
-        )
-    )
     row.identical = plain_ids == spec_ids
-    row.usage = SpeculativeUsage(drafts, draft_tokens, accepted)
-    row.mean_draft_length = chosen / planned if planned else 0.0
+    row.usage = SpeculativeUsage(timed("num_drafts"), timed("num_draft_tokens"), timed("num_accepted_tokens"))
+    planned, steps = timed("num_planned_steps"), timed("num_proposing_steps")
+    row.mean_draft_length = timed("num_chosen_tokens") / planned if planned else 0.0
     row.accepted_per_position = [
-        now - then for now, then in itertools.zip_longest(stats.accepted_per_position, per_position, fillvalue=0)
+        now - then
+        for now, then in itertools.zip_longest(stats.accepted_per_position, before.accepted_per_position, fillvalue=0)
     ]
-    steps = stats.num_proposing_steps - proposing
-    row.draft_ms_per_step = 1e3 * (stats.draft_seconds - draft_seconds) / steps if steps else 0.0
+    row.draft_ms_per_step = 1e3 * timed("draft_seconds") / steps if steps else 0.0
     return row
 
 

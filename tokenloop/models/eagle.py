@@ -16,6 +16,7 @@ parameter names, qkv and gate/up packed as the serving model packs them).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -125,13 +126,13 @@ class DraftVocabHead:
 
     def __init__(self, target: nn.Module, d2t: torch.Tensor) -> None:
         lm_head = target.lm_head
-        self.int8 = lm_head.select_rows(d2t) if isinstance(lm_head, Int8Embedding) else None
-        self.rows = None if self.int8 is not None else lm_head.weight.detach()[d2t]  # [Vd, d]
+        if isinstance(lm_head, Int8Embedding):
+            self.product = lm_head.select_rows(d2t)
+        else:
+            self.product = functools.partial(low_precision_linear, weight=lm_head.weight.detach()[d2t])  # [Vd, d]
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.int8 is not None:
-            return self.int8(hidden)
-        return low_precision_linear(hidden, self.rows)
+        return self.product(hidden)
 
 
 def save_drafter(head: EagleHead, folder: str | os.PathLike) -> Path:

@@ -69,7 +69,8 @@ def head_losses(
         feature = F.smooth_l1_loss(out, batch.target_hidden)
         token = F.cross_entropy(logits, labels) if len(labels) else out.sum() * 0
         passes.append((feature, token, logits))
-        features = torch.where(first_rows, batch.hidden, torch.cat([batch.hidden[:1], out[:-1].detach()]))
+        if len(passes) <= own_feature_passes:  # the next pass's row t reads this one's row t - 1
+            features = torch.where(first_rows, batch.hidden, torch.cat([batch.hidden[:1], out[:-1].detach()]))
     feature, token, logits = passes[0]
     top1 = (logits.argmax(-1) == labels).float().mean() if len(labels) else token.detach()
     loss = sum(f + CE_WEIGHT * t for f, t, _ in passes)
