@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -38,17 +38,31 @@ from tokenloop.spec_decode.proposer import Draft, Proposer
 @dataclass(slots=True)
 class EagleState:
     """A sequence's head: `rows` holds its rows in the head's cache (num_computed_tokens of them, from the target's
-    features only), row r being target position offset + r; `features` [m, d] are the target's features of the
-    positions after, not yet consumed."""
+    features only), row r being target position offset + r; `chunks` hold the target's features [m, d] of the
+    positions after, not yet consumed, as the steps gave them (joined only when consumed: a sequence the cost
+    model keeps from drafting gathers them for many steps)."""
 
     rows: Sequence
     offset: int
-    features: torch.Tensor
+    chunks: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def next_position(self) -> int:
         """The target position whose feature the next head row consumes."""
         return self.offset + self.rows.num_computed_tokens
+
+    @property
+    def num_pending(self) -> int:
+        return sum(len(c) for c in self.chunks)
+
+    def pending(self, n: int) -> torch.Tensor:
+        """The first n pending features, [n, d], kept pending."""
+        joined = torch.cat(self.chunks) if len(self.chunks) > 1 else self.chunks[0]
+        self.chunks = [joined]
+        return joined[:n]
+
+    def consume(self, n: int) -> None:
+        self.chunks = [self.pending(self.num_pending)[n:]]
 
 
 class EagleProposer(Proposer):
@@ -82,6 +96,7 @@ class EagleProposer(Proposer):
         attn.bind_cache(zeroed_pool(shape, kv_dtype, self.device), zeroed_pool(shape, kv_dtype, self.device))
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.costs = StepCosts()  # one head forward (and its draw), by the sequences in it
+        self.warm = False  # the first proposal's timings hold one-off warm-up costs: the cost model does not see them
         self.states: dict[str, EagleState] = {}  # target seq_id -> its head
 
     @torch.inference_mode()
@@ -97,15 +112,17 @@ class EagleProposer(Proposer):
     def _keep(self, seq: Sequence, start: int, features: torch.Tensor) -> None:
         """Keep the features of target positions [start, start + len(features)) the head has not consumed."""
         state = self.states.get(seq.seq_id)
-        if state is None or start > state.next_position + len(state.features):
+        if state is None or start > state.next_position + state.num_pending:
             # New, or a gap (a step lost): the head starts over from here.
             if state is not None:
                 self.block_manager.free(state.rows)
-            state = self.states[seq.seq_id] = EagleState(Sequence(seq.seq_id, [], 0, seq.params), start, features[:0])
+            state = self.states[seq.seq_id] = EagleState(Sequence(seq.seq_id, [], 0, seq.params), start)
         kept = max(start - state.next_position, 0)  # pending features before `start`
         skip = max(state.next_position - start, 0)  # positions the head has rows for already (a recompute)
         if skip < len(features):
-            state.features = torch.cat([state.features[:kept], features[skip:]])
+            if kept < state.num_pending:
+                state.chunks = [state.pending(kept)]
+            state.chunks.append(features[skip:])
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[Draft]:
@@ -120,21 +137,21 @@ class EagleProposer(Proposer):
             n, p = seq.num_tokens - 1 - state.next_position, state.next_position
             if (
                 n < 1
-                or len(state.features) < n
+                or state.num_pending < n
                 or not self.block_manager.allocate(state.rows, state.rows.num_computed_tokens + n)
             ):
                 continue  # nothing new from the target, or out of head blocks: it drafts nothing this step
             work.append(i)
             counts.append(n)
             ids += seq.token_ids[p + 1 : p + 1 + n]
-            features.append(state.features[:n])
+            features.append(state.pending(n))
         if not work:
             return [Draft([]) for _ in seqs]
         states = [self.states[seqs[i].seq_id] for i in work]
         started = time.perf_counter()
         out = self._forward(states, counts, ids, torch.cat(features))  # [T, d]
         for s, n in zip(states, counts):
-            s.features = s.features[n:]
+            s.consume(n)
         committed = [(s, s.rows.num_computed_tokens) for s in states]
         last = out[torch.tensor(list(itertools.accumulate(counts)), device=self.device) - 1]  # [B, d]: each last row
         try:
@@ -143,7 +160,8 @@ class EagleProposer(Proposer):
                     started = time.perf_counter()
                     last = self._forward(states, [1] * len(work), [tokens[i][-1] for i in work], last)
                 drawn, q = draw(self.lm_head(last), [seqs[i] for i in work])
-                self.costs.observe(len(work), time.perf_counter() - started)
+                if self.warm:
+                    self.costs.observe(len(work), time.perf_counter() - started)
                 target_ids = self.head.d2t[torch.tensor(drawn, device=self.device)].tolist()
                 if q is not None:  # [B, Vd] -> [B, V], zero outside the draft vocabulary
                     q = q.new_zeros(len(work), self.vocab_size).index_copy_(1, self.head.d2t, q)
@@ -162,6 +180,7 @@ class EagleProposer(Proposer):
                 work, states = [work[r] for r in keep], [states[r] for r in keep]
                 last = last[torch.tensor(keep, device=self.device)]
         finally:  # the draft rows go: only rows computed from the target's features stay
+            self.warm = True
             for s, computed in committed:
                 s.rows.num_computed_tokens = computed
         return [Draft(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
@@ -191,9 +210,9 @@ class EagleProposer(Proposer):
         if state is None or state.rows.num_computed_tokens:
             return
         keep = num_computed_tokens - state.offset  # the positions the child does not compute again
-        if keep > 0:
+        if keep > 0 and state.chunks:
             rows = Sequence(child.seq_id, [], 0, child.params)
-            self.states[child.seq_id] = EagleState(rows, state.offset, state.features[:keep])
+            self.states[child.seq_id] = EagleState(rows, state.offset, [state.pending(keep)])
 
     def release(self, seq: Sequence) -> None:
         if (state := self.states.pop(seq.seq_id, None)) is not None:
