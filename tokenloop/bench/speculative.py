@@ -144,6 +144,10 @@ def run(model: str, tokens: int = 128, repeats: int = 3, drafter: str | None = N
         del spec
         spec = LLM(model, compile=True, compile_in_background=False, speculative_config=EAGLE | {"model": drafter})
         rows.append(measure(Row("EAGLE head, open-ended chat", 1.5), plain, spec, OPEN, tokens, repeats))
+        del spec  # the same head drafting 3 tokens every step: its acceptance per position, whatever it costs
+        fixed = EAGLE | {"model": drafter, "num_speculative_tokens": 3, "adaptive": False}
+        spec = LLM(model, compile=True, compile_in_background=False, speculative_config=fixed)
+        rows.append(measure(Row("EAGLE head k=3, cost model off", 1.5), plain, spec, OPEN, tokens, repeats))
         together = Row("EAGLE head, 32 concurrent requests", 1.0)
         rows.append(measure(together, plain, spec, batch, tokens, repeats, together=True))
     del plain, spec
