@@ -69,6 +69,28 @@ def build_async_engine(
     return AsyncEngine(config, config=limits)
 
 
+def build_disaggregated_engine(model: str | os.PathLike, **engine_args):
+    """The same test engine's config, run by a prefill and a decode worker process (one core each where there are
+    two) behind a DisaggregatedEngine, every prompt longer than a block prefilled; shut it down after use."""
+    from tokenloop.disaggregation.frontend import DisaggregatedEngine, DisaggregationConfig
+
+    config = EngineConfig(model=os.fspath(model), **engine_args_for(model, **engine_args))
+    return DisaggregatedEngine(config, DisaggregationConfig(min_prefill_tokens=1))
+
+
+async def last_outputs(engine, requests: list[tuple[Any, Any]]) -> list:
+    """Each request's last output, streamed from an AsyncEngine or DisaggregatedEngine, all at once."""
+    import asyncio
+
+    async def one(prompt, params):
+        last = None
+        async for last in engine.generate(prompt, params):
+            pass
+        return last
+
+    return await asyncio.gather(*(one(*request) for request in requests))
+
+
 def transformers_from_gguf(path: Path):
     """transformers loading a GGUF (dequantized to float32): the model and its tokenizer."""
     import pytest

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from tokenloop.bench import frontend as frontend_bench
 from tokenloop.bench import offline as offline_bench
+from tokenloop.bench import pd as pd_bench
 from tokenloop.bench import serve_peers as serve_bench
 from tokenloop.bench import train as train_bench
 from tokenloop.models import store
@@ -251,6 +252,16 @@ def cmd_perplexity(args) -> int:
     return 0
 
 
+def _cores(spec: str | None) -> tuple[int, ...] | None:
+    """'0,1' -> (0, 1)."""
+    if spec is None:
+        return None
+    try:
+        return tuple(int(core) for core in spec.split(","))
+    except ValueError:
+        raise ValueError(f"cores are given as a comma-separated list of CPU numbers, got {spec!r}") from None
+
+
 def cmd_serve(args) -> int:
     from tokenloop.engine.async_engine import AsyncEngineConfig
     from tokenloop.engine.config import EngineConfig
@@ -275,6 +286,19 @@ def cmd_serve(args) -> int:
     limits = AsyncEngineConfig(
         max_waiting=args.max_waiting, unread_timeout_s=args.unread_timeout, stall_timeout_s=args.stall_timeout
     )
+    disaggregation = None
+    if args.disaggregate:
+        from tokenloop.disaggregation.frontend import DisaggregationConfig
+
+        if args.threads is not None:
+            raise ValueError("--threads: with --disaggregate each worker runs a thread per core it is given")
+        disaggregation = DisaggregationConfig(
+            args.prefill_workers,
+            args.decode_workers,
+            _cores(args.prefill_cores),
+            _cores(args.decode_cores),
+            args.min_prefill_tokens,
+        )
     config = ServerConfig(
         args.served_model_name or args.model or store.DEFAULT_MODEL,
         args.host,
@@ -284,6 +308,7 @@ def cmd_serve(args) -> int:
         max_body_mb=args.max_body_mb,
         shutdown_timeout=args.shutdown_timeout,
         limits=limits,
+        disaggregation=disaggregation,
     )
     serve(engine_config, config)
     return 0
@@ -403,6 +428,23 @@ def main(argv: list[str] | None = None) -> int:
     _add_threads_arg(p)
     _add_compile_arg(p)
     _add_speculative_arg(p)
+    p.add_argument(
+        "--disaggregate",
+        action="store_true",
+        help="prefill and decode in worker processes of their own, KV handed over in shared memory",
+    )
+    p.add_argument("--prefill-workers", type=int, default=1, help="with --disaggregate (default 1)")
+    p.add_argument("--decode-workers", type=int, default=1, help="with --disaggregate (default 1)")
+    p.add_argument(
+        "--prefill-cores", default=None, help="with --disaggregate: CPUs for prefill, e.g. 0,1 (default: half of them)"
+    )
+    p.add_argument("--decode-cores", default=None, help="with --disaggregate: CPUs for decode (default: the others)")
+    p.add_argument(
+        "--min-prefill-tokens",
+        type=int,
+        default=256,
+        help="with --disaggregate: shorter prompts are computed by the decode worker itself (default 256)",
+    )
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("bench", help="tokenloop beside llama.cpp and transformers on the same GGUF (or: bench serve)")
     offline_bench.add_arguments(p)
@@ -414,6 +456,9 @@ def main(argv: list[str] | None = None) -> int:
     p = bench.add_parser("frontend", help="a running stream and /health while a server does input work beside them")
     frontend_bench.add_arguments(p)
     p.set_defaults(func=frontend_bench.main_from_args)
+    p = bench.add_parser("pd", help="colocated serving against prefill/decode disaggregation, one mixed load")
+    pd_bench.add_arguments(p)
+    p.set_defaults(func=pd_bench.main_from_args)
     p = bench.add_parser("train", help="training tokens/s and memory beside transformers + peft, same data")
     train_bench.add_arguments(p)
     p.set_defaults(func=train_bench.main_from_args)

@@ -2,8 +2,9 @@
 
 A request run alone is the reference. Inside a batch of up to 64 others arriving and finishing around it, with
 prefix-cache hits or without, in prefill chunks of 1, 7 or 64, preempted and recomputed, forked (n > 1, beam
-search), in the compiled decode step, and in another process with another hash seed and thread count, it gets
-the same token ids and the same logprobs, to the last bit: greedy and seeded sampling, on the float32 path and
+search), in the compiled decode step, in another process with another hash seed and thread count, and
+prefilled by one worker process and decoded by another (disaggregation/), it gets the same token ids and the same
+logprobs, to the last bit: greedy and seeded sampling, on the float32 path and
 the fast path (dtype "auto": float16 KV cache, the quantized kernels), beside requests of other LoRA adapters (whose
 own tokens are theirs alone, too), for a tiny Llama, a tiny Gemma 3 (window 8,
 every prompt longer) and a tiny K-quant Gemma 3 GGUF; and for the real models, SmolLM2 and gemma3-270m.
@@ -13,6 +14,7 @@ failing request beside others, logits processors, structured output and prompt l
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -25,7 +27,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from tests.helpers import build_llm, model_config
+from tests.helpers import build_disaggregated_engine, build_llm, last_outputs, model_config
 from tests.lora_helpers import write_random_adapter
 from tokenloop import LLM, BeamSearchParams, LoRARequest, SamplingParams
 from tokenloop.engine.input_processor import Prompt
@@ -306,6 +308,25 @@ def test_the_compiled_decode_step_gives_eagers_tokens_and_logprobs_alone_and_in_
     assert llm.llm_engine.runner.forward.compiled is not None
     assert_same([run(llm, [r])[0] for r in REQUESTS], alone)
     assert_same(run(llm, REQUESTS), alone)
+
+
+@pytest.mark.parametrize(
+    "case", [("llama", "float32"), ("llama", "auto"), ("gemma3", "auto")], ids=case_id, indirect=True
+)
+def test_disaggregated_prefill_and_decode_workers_give_the_tokens_and_logprobs_alone(case, alone_llm, alone):
+    """Every prompt computed by a prefill worker process, its blocks copied by a decode worker process that
+    computes its last block and decodes: all at once, then again (the decode worker's prefix cache warm)."""
+    expected = [run(alone_llm, [r])[0] for r in FORKED]
+    engine = build_disaggregated_engine(case.path, dtype=case.dtype)
+    try:
+        for _ in range(2):
+            got = asyncio.run(last_outputs(engine, FORKED + REQUESTS))
+            assert_same([completions(out) for out in got], expected + alone)
+        registry = engine.metrics.registry
+        assert registry.get_sample_value("tokenloop_pd_blocks_copied_total") > 0
+        assert registry.get_sample_value("tokenloop_pd_blocks_skipped_total") > 0  # the second time
+    finally:
+        engine.shutdown()
 
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from tokenloop.engine.beam_search import BeamSearchParams
 from tokenloop.engine.config import EngineConfig
@@ -81,7 +82,43 @@ class _Stream:
     tokens: int = 0
 
 
-class AsyncEngine:
+class Admission:
+    """What a server's engine does before a request runs, whatever runs it (AsyncEngine here, or the frontend of
+    disaggregated workers): admission against max_waiting, and prompts processed on the input threads."""
+
+    config: AsyncEngineConfig
+    inputs: InputProcessor
+    input_threads: InputThreads
+    num_waiting: int  # requests admitted, no output yet (event loop side), their prompts processed or not
+    draining: bool
+    death: BaseException | None
+
+    async def admit_and_process(
+        self, prompts: list[Prompt], params: SamplingParams | BeamSearchParams, lora: LoRARequest | None = None
+    ) -> list[ProcessedPrompt]:
+        """Admit len(prompts) requests (EngineDraining, EngineBusy), then process every prompt on an input thread
+        before any is queued (ValueError for a bad one); they count as waiting meanwhile."""
+        self.admit(len(prompts))
+        self.num_waiting += len(prompts)
+        try:
+            return await self.input_threads.run(lambda: [self.inputs.process(p, params, lora) for p in prompts])
+        finally:
+            self.num_waiting -= len(prompts)
+
+    def admit(self, num_requests: int) -> None:
+        """Raise EngineDraining or EngineBusy unless `num_requests` more requests may wait."""
+        if self.death is not None:
+            raise EngineDraining(self._death_message())
+        if self.draining:
+            raise EngineDraining("the server is shutting down")
+        if self.num_waiting + num_requests > self.config.max_waiting:
+            raise EngineBusy(f"{self.num_waiting} requests are waiting already (at most {self.config.max_waiting})")
+
+    def _death_message(self) -> str:
+        return f"the engine's step loop died ({self.death!r}); the server is exiting"
+
+
+class AsyncEngine(Admission):
     """The engine is built on the step thread and runs there: every torch op of the server runs on that one
     thread. OpenMP (libgomp) gives each thread that starts parallel work its own team of threads, and once a
     process holds more of them than it has cores, their threads barely spin between parallel regions but sleep
@@ -128,32 +165,14 @@ class AsyncEngine:
         alive = self.death is None and self._thread.is_alive()
         return alive and time.monotonic() - self._heartbeat < self.config.stall_timeout_s
 
+    def health(self) -> dict:
+        return {"status": "ok" if self.healthy() else "stalled"}
+
     def shutdown(self) -> None:
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout=30)
         self.input_threads.shutdown()
-
-    async def admit_and_process(
-        self, prompts: list[Prompt], params: SamplingParams | BeamSearchParams, lora: LoRARequest | None = None
-    ) -> list[ProcessedPrompt]:
-        """Admit len(prompts) requests (EngineDraining, EngineBusy), then process every prompt on an input thread
-        before any is queued (ValueError for a bad one); they count as waiting meanwhile."""
-        self.admit(len(prompts))
-        self.num_waiting += len(prompts)
-        try:
-            return await self.input_threads.run(lambda: [self.inputs.process(p, params, lora) for p in prompts])
-        finally:
-            self.num_waiting -= len(prompts)
-
-    def admit(self, num_requests: int) -> None:
-        """Raise EngineDraining or EngineBusy unless `num_requests` more requests may wait."""
-        if self.death is not None:
-            raise EngineDraining(self._death_message())
-        if self.draining:
-            raise EngineDraining("the server is shutting down")
-        if self.num_waiting + num_requests > self.config.max_waiting:
-            raise EngineBusy(f"{self.num_waiting} requests are waiting already (at most {self.config.max_waiting})")
 
     def abort_all(self) -> None:
         """End every request now: each stream gets a last output, unfinished completions with finish_reason "abort"."""
@@ -164,10 +183,13 @@ class AsyncEngine:
         prompt: Prompt | ProcessedPrompt,
         params: SamplingParams | BeamSearchParams | None = None,
         request_id: str | None = None,
+        retain: bool = False,
+        before_add: Callable[[LLMEngine], None] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (cumulative; a slow reader skips the ones superseded meanwhile). Leaving
         the iteration early aborts it and frees its blocks. A prompt not yet processed is, first (a ValueError
-        then, before anything is queued)."""
+        then, before anything is queued). `retain`: LLMEngine.add_request's; `before_add` runs on the step thread
+        just before the request is queued (a decode worker copies its prompt's KV blocks in there)."""
         if request_id is None:
             self._ids += 1
             request_id = f"req-{self._ids}"
@@ -178,7 +200,7 @@ class AsyncEngine:
         try:
             if not isinstance(prompt, ProcessedPrompt):
                 prompt = await self.input_threads.run(self.inputs.process, prompt, params or SamplingParams())
-            self._command("add", request_id, prompt)
+            self._command("add", request_id, prompt, retain, before_add)
             if self.death is not None:  # died before this stream was there to be told
                 self._put(request_id, stream, self._death_error())
             while not finished:
@@ -221,6 +243,25 @@ class AsyncEngine:
             stream.latest = RequestFailed(message)
             stream.ready.set()
 
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """fn(engine) run on the step thread between two steps; its result, or its exception raised here."""
+        future = asyncio.get_running_loop().create_future()
+        self._command("call", None, future, fn)
+        return await future
+
+    @staticmethod
+    def _settle(future: asyncio.Future, fn: Callable[[LLMEngine], Any], engine: LLMEngine) -> None:
+        try:
+            result, error = fn(engine), None
+        except Exception as e:  # noqa: BLE001 — handed to the caller
+            result, error = None, e
+
+        def settle() -> None:
+            if not future.done():
+                future.set_exception(error) if error is not None else future.set_result(result)
+
+        future.get_loop().call_soon_threadsafe(settle)
+
     def _command(self, *command) -> None:
         self._commands.put(command)
         self._wakeup.set()
@@ -236,9 +277,6 @@ class AsyncEngine:
             self._loop(engine)
         except BaseException as e:
             self._died(e)
-
-    def _death_message(self) -> str:
-        return f"the engine's step loop died ({self.death!r}); the server is exiting"
 
     def _death_error(self) -> RequestFailed:
         return RequestFailed(self._death_message())
@@ -282,8 +320,14 @@ class AsyncEngine:
                 return
             try:
                 if kind == "add":
-                    engine.add_request(args[0], request_id=request_id)
-                    self.metrics.prompt_tokens.inc(len(args[0].prompt_token_ids))
+                    prompt, retain, before_add = args
+                    if before_add is not None:
+                        before_add(engine)
+                    engine.add_request(prompt, request_id=request_id, retain=retain)
+                    self.metrics.prompt_tokens.inc(len(prompt.prompt_token_ids))
+                elif kind == "call":
+                    future, fn = args
+                    self._settle(future, fn, engine)
                 elif kind == "abort":
                     engine.abort_request(request_id)
                 elif kind == "abort_all":
@@ -299,18 +343,8 @@ class AsyncEngine:
             self.metrics.observe_engine(engine)
 
     def _record(self, out: RequestOutput, now: float) -> None:
-        stream = self._streams.get(out.request_id)
-        if stream is None or out.error:
-            return
-        tokens = sum(len(c.token_ids) for c in out.outputs)
-        self.metrics.generation_tokens.inc(tokens - stream.tokens)
-        if stream.tokens == 0:
-            self.metrics.ttft.observe(now - stream.arrival)
-        else:
-            self.metrics.itl.observe(now - stream.last_token)
-        stream.tokens, stream.last_token = tokens, now
-        if out.finished:
-            self.metrics.e2e.observe(now - stream.arrival)
+        if (stream := self._streams.get(out.request_id)) is not None:
+            self.metrics.observe_output(stream, out, now)
 
     def _deliver(self, request_id: str | None, item: RequestOutput | Exception) -> None:
         self._deliver_all([(request_id, item)])

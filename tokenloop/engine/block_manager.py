@@ -15,8 +15,12 @@ import os
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tokenloop.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from tokenloop.engine.lora import LoRASlot
 
 
 @dataclass(slots=True)
@@ -91,7 +95,12 @@ class BlockManager:
 
     @staticmethod
     def extra_key(seq: Sequence) -> bytes:
-        return seq.lora.identity.encode() if seq.lora is not None else b""
+        return BlockManager.lora_key(seq.lora)
+
+    @staticmethod
+    def lora_key(lora: LoRASlot | None) -> bytes:
+        """The extra key of a sequence running adapter `lora` (None: the base model)."""
+        return lora.identity.encode() if lora is not None else b""
 
     @property
     def num_blocks(self) -> int:
@@ -175,6 +184,27 @@ class BlockManager:
         block_id = next(iter(self.free_queue))
         self._evict(block_id)
         self._take(block_id)
+        return block_id
+
+    def holds(self, block_hash: int, token_ids: tuple[int, ...], extra: bytes = b"") -> bool:
+        """Whether the block of `block_hash` is cached here; if so and unused, it becomes the last to be evicted."""
+        block_id = self.cached.get(block_hash)
+        if block_id is None or (self.blocks[block_id].token_ids, self.blocks[block_id].extra) != (token_ids, extra):
+            return False
+        if block_id in self.free_queue:
+            self.free_queue.move_to_end(block_id)
+        return True
+
+    def adopt(self, block_hash: int, token_ids: tuple[int, ...], extra: bytes = b"") -> int:
+        """A free block made the cached block of `block_hash`, unused and the last to be evicted: one whose K/V
+        another engine computed (a prefill worker's), which the caller writes before the next step. The caller
+        checks that a block is free."""
+        block_id = next(iter(self.free_queue))
+        self._evict(block_id)
+        block = self.blocks[block_id]
+        block.hash, block.token_ids, block.extra = block_hash, token_ids, extra
+        self.cached[block_hash] = block_id
+        self.free_queue.move_to_end(block_id)
         return block_id
 
     def take_copies(self) -> list[tuple[int, int]]:

@@ -66,6 +66,9 @@ class EngineConfig:
     # LoRA adapters (engine/lora.py): requests may name one (loaded on first use); lora_modules are loaded at start
     # (and turn enable_lora on). With adapters the decode step runs eager (the compiled package is the base model's).
     enable_lora: bool = False
+    # Disaggregated serving: the KV pools live in shared-memory files under this name (engine/shared_pools.py), for
+    # a decode worker to copy a prefill worker's blocks from (None: private, anonymous memory).
+    kv_shared_memory: str | None = None
     lora_modules: tuple[LoRARequest, ...] = ()
 
     def __post_init__(self) -> None:

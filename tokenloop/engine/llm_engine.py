@@ -19,11 +19,12 @@ from tokenloop.engine.executor import StepExecutor, StepResult
 from tokenloop.engine.faults import FaultInjection
 from tokenloop.engine.input_processor import InputProcessor, ProcessedPrompt, Prompt
 from tokenloop.engine.lora import LoRAManager, LoRARequest, LoRASlot
-from tokenloop.engine.model_runner import ModelRunner, kv_bytes_per_block
+from tokenloop.engine.model_runner import ModelRunner, kv_bytes_per_block, zeroed_pool
 from tokenloop.engine.output_processor import CompletionState, OutputProcessor
 from tokenloop.engine.requests import ForkedRequest, Request, new_request
 from tokenloop.engine.scheduler import Scheduler
 from tokenloop.engine.sequence import Sequence
+from tokenloop.engine.shared_pools import SharedPools
 from tokenloop.engine.threads import default_threads
 from tokenloop.models.loader import load_model
 from tokenloop.outputs import RequestOutput
@@ -80,6 +81,7 @@ class LLMEngine:
             compile,
             compile_spec(config, loaded.path) if compile and config.compile_in_background else None,
             self.loras.context if self.loras is not None else None,
+            SharedPools(config.kv_shared_memory) if config.kv_shared_memory is not None else zeroed_pool,
         )
         self.speculator = None
         if config.speculative_config is not None:
@@ -137,6 +139,15 @@ class LLMEngine:
             request.start(self)
             ids.append(request.request_id)
         return ids
+
+    def retained_blocks(self, request_id: str) -> list[tuple[int, int]]:
+        """(chain hash, block id) of each full, hashed block of a finished request kept with retain=True, in
+        order: what a decode worker copies from a prefill worker (disaggregation/)."""
+        seq = self._retained.get(request_id)
+        if seq is None:
+            raise ValueError(f"request {request_id!r} is not a finished request kept with retain=True")
+        blocks = [self.block_manager.blocks[i] for i in seq.block_table[: seq.num_hashed_blocks]]
+        return [(block.hash, block.block_id) for block in blocks]
 
     def release_request(self, request_id: str) -> None:
         """Free the blocks a finished, retained request kept."""

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tokenloop.engine.llm_engine import LLMEngine
 from tokenloop.engine.model_runner import sliding_window_idle_bytes
+from tokenloop.outputs import RequestOutput
 from tokenloop.spec_decode.speculator import SpecStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+
+
+class StreamTimes(Protocol):
+    arrival: float  # perf_counter at arrival
+    tokens: int  # output tokens so far
+    last_token: float  # perf_counter at the latest output
 
 
 class EngineMetrics:
@@ -90,6 +98,21 @@ class EngineMetrics:
             registry=r,
         )
         self._spec_seen = SpecStats()
+
+    def observe_output(self, stream: StreamTimes, out: RequestOutput, now: float) -> None:
+        """A request's new output (cumulative) at time `now`: its tokens, time to first token, inter-token latency
+        and, finished, end-to-end latency; `stream` keeps the request's times (arrival, tokens, last_token)."""
+        if out.error:
+            return
+        tokens = sum(len(c.token_ids) for c in out.outputs)
+        self.generation_tokens.inc(tokens - stream.tokens)
+        if stream.tokens == 0:
+            self.ttft.observe(now - stream.arrival)
+        else:
+            self.itl.observe(now - stream.last_token)
+        stream.tokens, stream.last_token = tokens, now
+        if out.finished:
+            self.e2e.observe(now - stream.arrival)
 
     def observe_engine(self, engine: LLMEngine) -> None:
         """Read the scheduler's and block manager's state after a step (or an abort)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -213,13 +214,14 @@ class ModelRunner:
         compile: bool = False,
         background: CompileSpec | None = None,  # where compile: build a missing package in a child process
         lora: LoRAContext | None = None,  # the context of the model's LoRA-wrapped linears (engine/lora.py)
+        pool: Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor] = zeroed_pool,  # makes each KV pool
     ) -> None:
         self.model, self.config, self.block_size, self.device = model, config, block_size, device
         self.lora = lora or LoRAContext()
         shape = (config.num_kv_heads, num_blocks * block_size, config.head_dim)
         layers = model.attention_layers()
         for attn in layers:
-            attn.bind_cache(zeroed_pool(shape, kv_dtype, device), zeroed_pool(shape, kv_dtype, device))
+            attn.bind_cache(pool(shape, kv_dtype, device), pool(shape, kv_dtype, device))
         self.forward = DecodeForward(
             model, [attn.k_cache for attn in layers], [attn.v_cache for attn in layers], block_size, compile, background
         )

@@ -81,6 +81,14 @@ def load_model(
     return LoadedModel(model=model.eval(), config=config, tokenizer=tokenizer, path=path)
 
 
+def load_tokenizer(name_or_path: str | os.PathLike | None) -> Tokenizer:
+    """A model's tokenizer alone (its metadata read, none of its weights)."""
+    path = store.resolve(name_or_path)
+    if path.is_dir():
+        return Tokenizer.from_hf_folder(path)
+    return Tokenizer.from_gguf_metadata(read_metadata(open_gguf(path)))
+
+
 def build_model(
     config: ModelConfig, dtype: torch.dtype, device: torch.device, layouts: dict[str, QuantLayout] | None = None
 ) -> nn.Module:

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
-from tokenloop.engine.async_engine import AsyncEngine
+from tokenloop.engine.client import EngineClient
 from tokenloop.engine.lora import LoRARequest
 from tokenloop.server.anthropic_messages import add_messages_routes, anthropic_error_body
 from tokenloop.server.body_limit import DEFAULT_MAX_BODY_MB, LimitBody
@@ -32,7 +32,8 @@ DEFAULT_MAX_N = 128  # OpenAI's own bound on n
 
 
 class Health(BaseModel):
-    status: str  # "ok", "stalled" (the step loop is stuck or dead) or "draining" (shutting down)
+    status: str  # "ok", "stalled" (the step loop is stuck or dead), "degraded" (a worker is down) or "draining"
+    workers: dict[str, str] | None = None  # with --disaggregate: each worker's state ("up", "starting", "stopped")
 
 
 class _RequireAPIKey:
@@ -53,7 +54,7 @@ class _RequireAPIKey:
 
 
 def build_app(
-    engine: AsyncEngine,
+    engine: EngineClient,
     model_name: str,
     api_key: str | None = None,
     max_n: int = DEFAULT_MAX_N,
@@ -77,9 +78,10 @@ def build_app(
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health, "description": "stalled or draining"}})
     async def health() -> JSONResponse:
-        """200 while the step loop is alive and making progress; 503 when it is stuck or dead, or the server drains."""
-        status = "draining" if engine.draining else "ok" if engine.healthy() else "stalled"
-        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
+        """200 while the step loop is alive and making progress (every worker up); 503 when it is stuck or dead, a
+        worker is down, or the server drains."""
+        body = engine.health() | ({"status": "draining"} if engine.draining else {})
+        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
     @app.get(
         "/metrics",

@@ -18,8 +18,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from tokenloop.engine.async_engine import AsyncEngine, RequestFailed
+from tokenloop.engine.async_engine import RequestFailed
 from tokenloop.engine.beam_search import BeamSearchParams
+from tokenloop.engine.client import EngineClient
 from tokenloop.engine.input_processor import InputProcessor, Prompt
 from tokenloop.engine.lora import LoRARequest
 from tokenloop.outputs import RequestOutput
@@ -50,7 +51,7 @@ class ServedModel:
 
 @dataclass(frozen=True, slots=True)
 class Generation:
-    engine: AsyncEngine
+    engine: EngineClient
     model_name: str
     loras: tuple[LoRARequest, ...] = ()  # served beside the base model, by name
 

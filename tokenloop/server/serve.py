@@ -15,13 +15,18 @@ import logging
 import socket
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from tokenloop.engine.async_engine import AsyncEngine, AsyncEngineConfig
+from tokenloop.engine.client import EngineClient
 from tokenloop.engine.config import EngineConfig
 from tokenloop.server.app import DEFAULT_MAX_N, build_app
 from tokenloop.server.body_limit import DEFAULT_MAX_BODY_MB
+
+if TYPE_CHECKING:
+    from tokenloop.disaggregation.frontend import DisaggregationConfig
 
 logger = logging.getLogger(__name__)
 FLUSH_S = 2.0  # after the aborts, for the last chunks to reach their clients
@@ -38,6 +43,7 @@ class ServerConfig:
     max_body_mb: float = DEFAULT_MAX_BODY_MB  # bound on a request's body; past it, a 413
     shutdown_timeout: float = 30.0  # seconds running requests may go on after SIGTERM
     limits: AsyncEngineConfig = field(default_factory=AsyncEngineConfig)
+    disaggregation: DisaggregationConfig | None = None  # prefill and decode in worker processes (disaggregation/)
 
     def __post_init__(self) -> None:
         if self.max_n < 1:
@@ -52,7 +58,7 @@ class _DrainingServer(uvicorn.Server):
     """uvicorn's server, but a signal starts a drain (not a cut after the timeout) and is not re-raised at exit
     (uvicorn re-raises it, which makes the exit status 143)."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, shutdown_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: EngineClient, shutdown_timeout: float) -> None:
         super().__init__(config)
         self.engine, self.shutdown_timeout = engine, shutdown_timeout
 
@@ -82,7 +88,12 @@ class _DrainingServer(uvicorn.Server):
 
 def serve(engine_config: EngineConfig, config: ServerConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = AsyncEngine(engine_config, config=config.limits)
+    if config.disaggregation is not None:
+        from tokenloop.disaggregation.frontend import DisaggregatedEngine
+
+        engine = DisaggregatedEngine(engine_config, config.disaggregation, config.limits)
+    else:
+        engine = AsyncEngine(engine_config, config=config.limits)
     app = build_app(
         engine, config.model_name, config.api_key, config.max_n, config.max_body_mb, engine_config.lora_modules
     )

@@ -14,7 +14,7 @@ from typing import Annotated
 from fastapi import FastAPI
 from pydantic import ConfigDict, Field
 
-from tokenloop.engine.async_engine import AsyncEngine
+from tokenloop.engine.client import EngineClient
 from tokenloop.server.errors import ERROR_RESPONSES, APIError, param_of
 from tokenloop.server.protocol import ChatMessage, Int, _Request
 
@@ -47,7 +47,7 @@ class DetokenizeRequest(_Request):
     tokens: list[Int(ge=0)]
 
 
-def add_tokenizer_routes(app: FastAPI, engine: AsyncEngine, check_model: Callable[[str | None], object]) -> None:
+def add_tokenizer_routes(app: FastAPI, engine: EngineClient, check_model: Callable[[str | None], object]) -> None:
     inputs = engine.inputs
     tokenizer = inputs.tokenizer
 
