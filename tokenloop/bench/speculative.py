@@ -117,7 +117,7 @@ def measure(row: Row, plain, spec, prompts: list[str], tokens: int, repeats: int
         row.spec_rates.append(rate)
     row.identical = plain_ids == spec_ids
     row.usage = SpeculativeUsage(timed("num_drafts"), timed("num_draft_tokens"), timed("num_accepted_tokens"))
-    planned, steps = timed("num_planned_steps"), timed("num_proposing_steps")
+    planned, steps = timed("num_planned_seqs"), timed("num_proposing_steps")
     row.mean_draft_length = timed("num_chosen_tokens") / planned if planned else 0.0
     row.accepted_per_position = [
         now - then
@@ -144,12 +144,12 @@ def run(model: str, tokens: int = 128, repeats: int = 3, drafter: str | None = N
         del spec
         spec = LLM(model, compile=True, compile_in_background=False, speculative_config=EAGLE | {"model": drafter})
         rows.append(measure(Row("EAGLE head, open-ended chat", 1.5), plain, spec, OPEN, tokens, repeats))
+        together = Row("EAGLE head, 32 concurrent requests", 1.0)
+        rows.append(measure(together, plain, spec, batch, tokens, repeats, together=True))
         del spec  # the same head drafting 3 tokens every step: its acceptance per position, whatever it costs
         fixed = EAGLE | {"model": drafter, "num_speculative_tokens": 3, "adaptive": False}
         spec = LLM(model, compile=True, compile_in_background=False, speculative_config=fixed)
         rows.append(measure(Row("EAGLE head k=3, cost model off", 1.5), plain, spec, OPEN, tokens, repeats))
-        together = Row("EAGLE head, 32 concurrent requests", 1.0)
-        rows.append(measure(together, plain, spec, batch, tokens, repeats, together=True))
     del plain, spec
     gc.collect()
     float32 = {"dtype": "float32", "compile": True, "compile_in_background": False}

@@ -36,6 +36,7 @@ class SpecStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [k]: drafts whose token at position i was accepted
     num_planned_steps: int = 0  # steps that had a sequence to draft for, and the draft tokens chosen over them
+    num_planned_seqs: int = 0  # the sequences drafted for over those steps (sequence-steps)
     num_chosen_tokens: int = 0
     last_chosen: float = 0.0  # the mean draft length chosen in the latest such step
     num_proposing_steps: int = 0  # steps whose proposer ran, and the seconds it took over them
@@ -121,6 +122,7 @@ class Speculator:
             if self.config.adaptive:
                 ks = [limit if seq.generator is not None else k for seq, limit, k in zip(seqs, limits, choose(limits))]
         self.stats.num_planned_steps += 1
+        self.stats.num_planned_seqs += len(ks)
         self.stats.num_chosen_tokens += sum(ks)
         self.stats.last_chosen = sum(ks) / len(ks)
         if not any(ks):
