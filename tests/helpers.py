@@ -19,12 +19,8 @@ from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.model_runner import ModelRunner, kv_bytes_per_block
 from tokenloop.engine.scheduler import ScheduledBatch
 from tokenloop.engine.sequence import Sequence
-from tokenloop.models import store
 from tokenloop.models.config import ModelConfig
-from tokenloop.models.gguf_loader import config_from_gguf
-from tokenloop.models.gguf_metadata import open_gguf, read_metadata
-from tokenloop.models.hf_loader import config_from_folder
-from tokenloop.models.loader import LoadedModel
+from tokenloop.models.loader import LoadedModel, load_config
 from tokenloop.sampling.params import SamplingParams
 
 # A test engine: on the CPU, the exact float32 path, a small KV pool, one thread (the same floats whatever else the
@@ -34,11 +30,7 @@ TEST_ENGINE = {"dtype": "float32", "device": "cpu", "kv_cache_gb": 0.01, "thread
 
 def model_config(model: str | os.PathLike | None) -> ModelConfig:
     """A model's config (a known name, a .gguf file or a Hugging Face folder), read without its weights."""
-    path = store.resolve(model)
-    if path.is_dir():
-        return config_from_folder(path)
-    reader = open_gguf(path)
-    return config_from_gguf(read_metadata(reader), {t.name for t in reader.tensors})
+    return load_config(model)
 
 
 def engine_args_for(model: str | os.PathLike | None, kv_blocks: int | None = None, **engine_args) -> dict[str, Any]:

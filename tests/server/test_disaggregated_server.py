@@ -15,7 +15,9 @@ SYSTEM = "You are a careful assistant. Answer in plain words, and keep each answ
 
 @pytest.fixture(scope="module")
 def disaggregated_server(tiny_model_folder, tmp_path_factory):
-    server = start_server(tiny_model_folder, tmp_path_factory.mktemp("pd") / "server.log", "--disaggregate", "--min-prefill-tokens", "17")
+    server = start_server(
+        tiny_model_folder, tmp_path_factory.mktemp("pd") / "server.log", "--disaggregate", "--min-prefill-tokens", "17"
+    )
     yield server
     stop_server(server)
 
@@ -42,7 +44,9 @@ def test_the_openai_client_streams_through_the_workers(disaggregated_server, tin
 
 @pytest.mark.real_model
 def test_smollm2_through_the_workers_gives_colocated_tokens(tmp_path, default_model_path):
-    server = start_server(default_model_path, tmp_path / "server.log", "--disaggregate", "--dtype", "auto", "--min-prefill-tokens", "64")
+    server = start_server(
+        default_model_path, tmp_path / "server.log", "--disaggregate", "--dtype", "auto", "--min-prefill-tokens", "64"
+    )
     try:
         client = server.client()
         questions = ["Why is the sky blue?", "Name three rivers.", "Write a haiku about bread.", "What is 12 * 7?"]

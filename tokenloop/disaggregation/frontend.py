@@ -29,15 +29,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.registry import Collector
 
 from tokenloop.disaggregation.handoff import HandoffStats, KVHandoff
-from tokenloop.disaggregation.worker import EngineInfo, worker_main
+from tokenloop.disaggregation.worker import worker_main
 from tokenloop.engine.async_engine import Admission, AsyncEngineConfig, RequestFailed
 from tokenloop.engine.beam_search import BeamSearchParams
+from tokenloop.engine.client import remote_inputs
 from tokenloop.engine.config import EngineConfig
-from tokenloop.engine.input_processor import InputProcessor, ProcessedPrompt, Prompt
+from tokenloop.engine.input_processor import ProcessedPrompt, Prompt
 from tokenloop.engine.input_threads import InputThreads
 from tokenloop.engine.metrics import EngineMetrics
 from tokenloop.engine.shared_pools import remove_pools
-from tokenloop.models.loader import load_tokenizer
 from tokenloop.outputs import CompletionOutput, RequestOutput
 from tokenloop.sampling.params import SamplingParams
 
@@ -196,17 +196,14 @@ class DisaggregatedEngine(Admission):
         try:
             for worker in self.workers:
                 self._spawn(worker)
-            infos = [self._wait_ready(worker) for worker in self.workers]
+            for worker in self.workers:
+                self._wait_ready(worker)
         except BaseException:
             self.shutdown()
             raise
-        decode_info: EngineInfo = infos[-1]
         for worker in self.workers:
             threading.Thread(target=self._read, args=(worker,), name=f"tokenloop-{worker.name}", daemon=True).start()
-        tokenizer = load_tokenizer(engine_config.model)
-        self.inputs = InputProcessor(
-            tokenizer, decode_info.vocab_size, decode_info.max_model_len, decode_info.kv_cache_tokens
-        )
+        self.inputs = remote_inputs(engine_config)
         self.input_threads = InputThreads()
         self.input_threads.submit(self.inputs.warm)
 
@@ -232,11 +229,11 @@ class DisaggregatedEngine(Admission):
         with worker.lock:
             worker.conn = parent
 
-    def _wait_ready(self, worker: _Worker) -> EngineInfo:
+    def _wait_ready(self, worker: _Worker) -> None:
         try:
             if not worker.conn.poll(READY_TIMEOUT_S):
                 raise RuntimeError(f"the {worker.name} worker was not ready within {READY_TIMEOUT_S:g} s")
-            kind, info = worker.conn.recv()
+            worker.conn.recv()  # ("ready",)
         except (EOFError, OSError):
             worker.process.join(timeout=STOP_TIMEOUT_S)
             raise RuntimeError(
@@ -244,7 +241,6 @@ class DisaggregatedEngine(Admission):
             ) from None
         worker.state = "up"
         self.handoffs.up.labels(worker=worker.name).set(1)
-        return info
 
     def _read(self, worker: _Worker) -> None:
         """A worker's reader thread: its messages to the requests' event loops; its death handled, and it is

@@ -1,7 +1,7 @@
 """A prefill or decode worker: one process, one engine (AsyncEngine), pinned to its cores, driven over a pipe.
 
 Messages in (from the frontend): ("prefill", id, ProcessedPrompt), ("decode", id, ProcessedPrompt, KVHandoff or
-None), ("release", id), ("abort", id), ("abort_all",), ("forget", pools), ("stop",). Out: ("ready", EngineInfo),
+None), ("release", id), ("abort", id), ("abort_all",), ("forget", pools), ("stop",). Out: ("ready",),
 ("prefilled", id, KVHandoff), ("handed", id, HandoffStats), ("output", id, RequestOutput), ("failed", id,
 message), ("metrics", families). Only small things cross the pipe: token ids, parameters, block ids; a prompt's
 K/V stays in shared memory (disaggregation/handoff.py).
@@ -17,7 +17,7 @@ import asyncio
 import logging
 import os
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from multiprocessing.connection import Connection
 
 from tokenloop.disaggregation.handoff import HandoffStats, KVHandoff, PeerPools, take_blocks
@@ -32,15 +32,6 @@ logger = logging.getLogger(__name__)
 METRICS_INTERVAL_S = 1.0
 # The frontend shows these from its own view (the client's): a worker's would count a request twice.
 FRONTEND_METRICS = ("time_to_first_token", "inter_token_latency", "e2e_request_latency", "prompt_tokens", "generation")
-
-
-@dataclass(frozen=True, slots=True)
-class EngineInfo:
-    """What the frontend's InputProcessor needs of the engine behind it."""
-
-    vocab_size: int
-    max_model_len: int
-    kv_cache_tokens: int
 
 
 def worker_main(role: str, config: EngineConfig, limits: AsyncEngineConfig, cores: list[int], conn: Connection) -> None:
@@ -63,13 +54,9 @@ class Worker:
 
     async def serve(self) -> None:
         self.engine = AsyncEngine(self.config, config=self.limits)
-        llm = self.engine.engine
-        info = EngineInfo(
-            llm.model_config.vocab_size, llm.max_model_len, llm.block_manager.num_blocks * self.config.block_size
-        )
         self.loop = asyncio.get_running_loop()
         self.stopped = asyncio.Event()
-        self.conn.send(("ready", info))
+        self.conn.send(("ready",))
         threading.Thread(target=self._read, name="tokenloop-worker-pipe", daemon=True).start()
         metrics = asyncio.create_task(self._send_metrics())
         await self.stopped.wait()

@@ -56,6 +56,42 @@ def weights_fingerprint(path: str | os.PathLike) -> str:
     return digest.hexdigest()[:32]
 
 
+class BlockHasher:
+    """A model's block hashes: what the block manager keys its cache with, and what a router predicts hits by."""
+
+    def __init__(self, block_size: int, model_identity: str | bytes = b"") -> None:
+        self.block_size = block_size
+        identity = model_identity.encode() if isinstance(model_identity, str) else bytes(model_identity)
+        # The identity is hashed once; each block copies that state and adds its parent's hash and its token ids,
+        # packed little-endian (int64 each) so that every machine feeds the digest the same bytes.
+        self._identity_hasher = hashlib.blake2b(identity, digest_size=8)
+        self._pack_block = struct.Struct(f"<Q{block_size}q").pack
+
+    def block_hash(self, parent_hash: int, token_ids: tuple[int, ...], extra: bytes = b"") -> int:
+        """The 64-bit chain hash of a full block (ROOT_HASH is the first block's parent); `extra`: what else its
+        K/V depend on (vLLM's extra keys: a LoRA adapter's identity), every block of the chain hashing it."""
+        hasher = self._identity_hasher.copy()
+        hasher.update(self._pack_block(parent_hash, *token_ids))
+        if extra:
+            hasher.update(extra)
+        return int.from_bytes(hasher.digest(), "little")
+
+    def prompt_hashes(self, token_ids: list[int], extra: bytes = b"") -> list[int]:
+        """The chain hashes of a prompt's blocks that a cache hit can serve: its full blocks before its last token
+        (whose logits are always computed)."""
+        hashes, parent, size = [], ROOT_HASH, self.block_size
+        for start in range(0, len(token_ids) - size, size):
+            parent = self.block_hash(parent, tuple(token_ids[start : start + size]), extra)
+            hashes.append(parent)
+        return hashes
+
+
+def block_identity(path: str | os.PathLike, dtype: str, kv_cache_dtype: object) -> str:
+    """What a block's K/V depend on besides its tokens: the weights, their precision ("auto" keeps them quantized)
+    and the cache's dtype. Engines (and a router) that agree on it agree on every block hash."""
+    return f"{weights_fingerprint(path)} dtype={dtype} kv={kv_cache_dtype}"
+
+
 class BlockManager:
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, model_identity: str | bytes = b""
@@ -66,11 +102,7 @@ class BlockManager:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        identity = model_identity.encode() if isinstance(model_identity, str) else bytes(model_identity)
-        # The identity is hashed once; each block copies that state and adds its parent's hash and its token ids,
-        # packed little-endian (int64 each) so that every machine feeds the digest the same bytes.
-        self._identity_hasher = hashlib.blake2b(identity, digest_size=8)
-        self._pack_block = struct.Struct(f"<Q{block_size}q").pack
+        self.hasher = BlockHasher(block_size, model_identity)
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Unreferenced blocks in the order they are handed out: freed blocks that hold no cached prefix first
         # (most recently freed first, so that a long run keeps reusing the same few pages of the pool instead
@@ -85,13 +117,7 @@ class BlockManager:
         self.pending_copies: list[tuple[int, int]] = []
 
     def block_hash(self, parent_hash: int, token_ids: tuple[int, ...], extra: bytes = b"") -> int:
-        """The 64-bit chain hash of a full block (ROOT_HASH is the first block's parent); `extra`: what else its
-        K/V depend on (vLLM's extra keys: a LoRA adapter's identity), every block of the chain hashing it."""
-        hasher = self._identity_hasher.copy()
-        hasher.update(self._pack_block(parent_hash, *token_ids))
-        if extra:
-            hasher.update(extra)
-        return int.from_bytes(hasher.digest(), "little")
+        return self.hasher.block_hash(parent_hash, token_ids, extra)
 
     @staticmethod
     def extra_key(seq: Sequence) -> bytes:
@@ -149,11 +175,10 @@ class BlockManager:
         assert not seq.block_table and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching or seq.score_prompt:
             return
-        parent, extra = ROOT_HASH, self.extra_key(seq)
-        for start in range(0, seq.num_tokens - 1 - self.block_size + 1, self.block_size):
-            tokens = tuple(seq.token_ids[start : start + self.block_size])
-            parent = self.block_hash(parent, tokens, extra)
-            block_id = self.cached.get(parent)
+        extra = self.extra_key(seq)
+        for i, block_hash in enumerate(self.hasher.prompt_hashes(seq.token_ids, extra)):
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            block_id = self.cached.get(block_hash)
             if block_id is None or (self.blocks[block_id].token_ids, self.blocks[block_id].extra) != (tokens, extra):
                 break
             self._take(block_id)

@@ -8,10 +8,13 @@ from typing import Protocol
 
 from tokenloop.engine.async_engine import AsyncEngineConfig
 from tokenloop.engine.beam_search import BeamSearchParams
+from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.input_processor import InputProcessor, ProcessedPrompt, Prompt
 from tokenloop.engine.input_threads import InputThreads
 from tokenloop.engine.lora import LoRARequest
 from tokenloop.engine.metrics import EngineMetrics
+from tokenloop.engine.model_runner import kv_bytes_per_block
+from tokenloop.models.loader import load_config, load_tokenizer
 from tokenloop.outputs import RequestOutput
 from tokenloop.sampling.params import SamplingParams
 
@@ -46,3 +49,12 @@ class EngineClient(Protocol):
     def abort_all(self) -> None: ...
 
     def shutdown(self) -> None: ...
+
+
+def remote_inputs(config: EngineConfig) -> InputProcessor:
+    """The InputProcessor of a frontend whose engines run elsewhere (worker processes, replicas): the engines'
+    tokenizer and limits, from their config, without their weights."""
+    model = load_config(config.model)
+    max_model_len = min(config.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
+    num_blocks = int(config.kv_cache_gb * 2**30) // kv_bytes_per_block(model, config.block_size, config.kv_cache_dtype)
+    return InputProcessor(load_tokenizer(config.model), model.vocab_size, max_model_len, num_blocks * config.block_size)

@@ -13,7 +13,7 @@ import logging
 import torch
 
 from tokenloop.engine.beam_search import BeamSearchParams
-from tokenloop.engine.block_manager import BlockManager, weights_fingerprint
+from tokenloop.engine.block_manager import BlockManager, block_identity
 from tokenloop.engine.config import EngineConfig, compile_spec
 from tokenloop.engine.executor import StepExecutor, StepResult
 from tokenloop.engine.faults import FaultInjection
@@ -57,8 +57,7 @@ class LLMEngine:
         )
         if num_blocks < 1:
             raise ValueError(f"kv_cache_gb={config.kv_cache_gb} does not hold one KV block of this model")
-        # Blocks' K/V depend on the weights, on their precision ("auto" keeps them quantized) and on the cache's dtype.
-        identity = f"{weights_fingerprint(loaded.path)} dtype={config.dtype} kv={config.kv_cache_dtype}"
+        identity = block_identity(loaded.path, config.dtype, config.kv_cache_dtype)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, identity)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.input_processor = InputProcessor(

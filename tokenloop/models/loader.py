@@ -81,6 +81,15 @@ def load_model(
     return LoadedModel(model=model.eval(), config=config, tokenizer=tokenizer, path=path)
 
 
+def load_config(name_or_path: str | os.PathLike | None) -> ModelConfig:
+    """A model's config (a known name, a .gguf file or a Hugging Face folder), read without its weights."""
+    path = store.resolve(name_or_path)
+    if path.is_dir():
+        return config_from_folder(path)
+    reader = open_gguf(path)
+    return config_from_gguf(read_metadata(reader), {t.name for t in reader.tensors})
+
+
 def load_tokenizer(name_or_path: str | os.PathLike | None) -> Tokenizer:
     """A model's tokenizer alone (its metadata read, none of its weights)."""
     path = store.resolve(name_or_path)
