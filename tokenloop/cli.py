@@ -10,6 +10,7 @@ from pathlib import Path
 from tokenloop.bench import frontend as frontend_bench
 from tokenloop.bench import offline as offline_bench
 from tokenloop.bench import pd as pd_bench
+from tokenloop.bench import route as route_bench
 from tokenloop.bench import serve_peers as serve_bench
 from tokenloop.bench import train as train_bench
 from tokenloop.models import store
@@ -286,6 +287,8 @@ def cmd_serve(args) -> int:
     limits = AsyncEngineConfig(
         max_waiting=args.max_waiting, unread_timeout_s=args.unread_timeout, stall_timeout_s=args.stall_timeout
     )
+    if args.replicas is not None and args.disaggregate:
+        raise ValueError("--replicas and --disaggregate: one or the other")
     disaggregation = None
     if args.disaggregate:
         from tokenloop.disaggregation.frontend import DisaggregationConfig
@@ -310,8 +313,30 @@ def cmd_serve(args) -> int:
         limits=limits,
         disaggregation=disaggregation,
     )
+    if args.replicas is not None:
+        from tokenloop.scale_out.app import ReplicaConfig, serve_replicas
+
+        serve_replicas(engine_config, config, ReplicaConfig(args.replicas, args.router, args.ray_address))
+        return 0
     serve(engine_config, config)
     return 0
+
+
+def cmd_batch(args) -> int:
+    from tokenloop.engine.config import EngineConfig
+    from tokenloop.scale_out.batch import run_batch
+
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_gb=args.kv_cache_gb,
+        compile=args.compile,
+        threads=args.threads,
+        speculative_config=args.speculative_config,
+    )
+    failed = run_batch(args.input, args.output, config, args.replicas, args.batch_size, args.ray_address)
+    return 1 if failed else 0
 
 
 def cmd_models(args) -> int:
@@ -440,12 +465,39 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--decode-cores", default=None, help="with --disaggregate: CPUs for decode (default: the others)")
     p.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help='N engine replicas on Ray Serve behind one ingress (pip install "tokenloop[ray]")',
+    )
+    p.add_argument(
+        "--router",
+        choices=["prefix", "round-robin", "pow2"],
+        default="prefix",
+        help="with --replicas: prefix (the replica holding the prompt's leading blocks), round-robin, or pow2",
+    )
+    p.add_argument("--ray-address", default=None, help="with --replicas: a Ray cluster to join (default: start one)")
+    p.add_argument(
         "--min-prefill-tokens",
         type=int,
         default=256,
         help="with --disaggregate: shorter prompts are computed by the decode worker itself (default 256)",
     )
     p.set_defaults(func=cmd_serve)
+    p = sub.add_parser("batch", help='an offline batch of JSON lines on Ray Data (pip install "tokenloop[ray]")')
+    from tokenloop.scale_out.batch import add_arguments as add_batch_arguments
+
+    add_batch_arguments(p)
+    p.add_argument(
+        "--model", "-m", default=None, help=f"known name, .gguf file or HF folder (default {store.DEFAULT_MODEL})"
+    )
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default=None)
+    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for each engine's KV cache")
+    _add_threads_arg(p)
+    _add_compile_arg(p)
+    _add_speculative_arg(p)
+    p.set_defaults(func=cmd_batch)
     p = sub.add_parser("bench", help="tokenloop beside llama.cpp and transformers on the same GGUF (or: bench serve)")
     offline_bench.add_arguments(p)
     p.set_defaults(func=offline_bench.main_from_args)
@@ -459,6 +511,9 @@ def main(argv: list[str] | None = None) -> int:
     p = bench.add_parser("pd", help="colocated serving against prefill/decode disaggregation, one mixed load")
     pd_bench.add_arguments(p)
     p.set_defaults(func=pd_bench.main_from_args)
+    p = bench.add_parser("route", help="the replica routers (prefix, round-robin) on a multi-tenant load")
+    route_bench.add_arguments(p)
+    p.set_defaults(func=route_bench.main_from_args)
     p = bench.add_parser("train", help="training tokens/s and memory beside transformers + peft, same data")
     train_bench.add_arguments(p)
     p.set_defaults(func=train_bench.main_from_args)

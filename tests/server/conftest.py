@@ -73,7 +73,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_folder: Path, log: Path, *extra: str, api_key: str | None = None) -> Server:
+def start_server(
+    model_folder: Path, log: Path, *extra: str, api_key: str | None = None, startup_timeout: float = STARTUP_TIMEOUT_S
+) -> Server:
     port = _free_port()
     cmd = [
         sys.executable,
@@ -101,7 +103,7 @@ def start_server(model_folder: Path, log: Path, *extra: str, api_key: str | None
             cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"}
         )
     server = Server(port, process, log, api_key)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    deadline = time.monotonic() + startup_timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             pytest.fail(f"the server exited with {process.returncode} while starting:\n{log.read_text()}")
@@ -112,7 +114,7 @@ def start_server(model_folder: Path, log: Path, *extra: str, api_key: str | None
             pass
         time.sleep(0.1)
     stop_server(server)
-    pytest.fail(f"no 200 from /health within {STARTUP_TIMEOUT_S} s:\n{log.read_text()}")
+    pytest.fail(f"no 200 from /health within {startup_timeout} s:\n{log.read_text()}")
 
 
 def stop_server(server: Server) -> None:

@@ -1,8 +1,8 @@
 """`tokenloop bench ... --record`: keep a run's report with where and how it was measured.
 
-Each recorded run appends one JSON line to benchmarks/results/<kind>.jsonl of the source checkout (kind: offline,
-serve, speculative, frontend, train, pd), then docs/benchmarks.md is written anew from every line, newest first, and
-the README's table (between its `bench:start` and `bench:end` markers) shows the newest offline and serve runs.
+Each recorded run appends one JSON line to benchmarks/results/<kind>.jsonl of the source checkout (KINDS), then
+docs/benchmarks.md is written anew from every line, newest first, and the README's table (between its
+`bench:start` and `bench:end` markers) shows the newest offline and serve runs.
 Figures in the docs come from here, never typed in by hand.
 """
 
@@ -25,6 +25,7 @@ KINDS = {
     "frontend": "`tokenloop bench frontend`: a running stream and /health while input work runs beside them",
     "train": "`tokenloop bench train`: training tokens/s and memory beside transformers + peft, same data",
     "pd": "`tokenloop bench pd`: colocated serving against prefill/decode disaggregation, one mixed load",
+    "route": "`tokenloop bench route`: the replica routers on a multi-tenant load",
 }
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 RECORD_WRITES = ("README.md", "docs/benchmarks.md", "benchmarks/results")
