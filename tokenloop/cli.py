@@ -263,25 +263,34 @@ def _cores(spec: str | None) -> tuple[int, ...] | None:
         raise ValueError(f"cores are given as a comma-separated list of CPU numbers, got {spec!r}") from None
 
 
-def cmd_serve(args) -> int:
-    from tokenloop.engine.async_engine import AsyncEngineConfig
+def _engine_config(args, **more):
+    """The engine flags serve and batch share, and `more`."""
     from tokenloop.engine.config import EngineConfig
-    from tokenloop.engine.lora import LoRARequest
-    from tokenloop.server.serve import ServerConfig, serve
 
-    engine_config = EngineConfig(
+    return EngineConfig(
         model=args.model,
         dtype=args.dtype,
         device=args.device,
         kv_cache_gb=args.kv_cache_gb,
+        compile=args.compile,
+        threads=args.threads,
+        speculative_config=args.speculative_config,
+        **more,
+    )
+
+
+def cmd_serve(args) -> int:
+    from tokenloop.engine.async_engine import AsyncEngineConfig
+    from tokenloop.engine.lora import LoRARequest
+    from tokenloop.server.serve import ServerConfig, serve
+
+    engine_config = _engine_config(
+        args,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
-        compile=args.compile,
         inject_faults=tuple(args.inject_fault),
-        threads=args.threads,
-        speculative_config=args.speculative_config,
         lora_modules=tuple(LoRARequest.parse(spec) for spec in args.lora),
     )
     limits = AsyncEngineConfig(
@@ -323,18 +332,9 @@ def cmd_serve(args) -> int:
 
 
 def cmd_batch(args) -> int:
-    from tokenloop.engine.config import EngineConfig
     from tokenloop.scale_out.batch import run_batch
 
-    config = EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        kv_cache_gb=args.kv_cache_gb,
-        compile=args.compile,
-        threads=args.threads,
-        speculative_config=args.speculative_config,
-    )
+    config = _engine_config(args)
     failed = run_batch(args.input, args.output, config, args.replicas, args.batch_size, args.ray_address)
     return 1 if failed else 0
 
@@ -502,21 +502,16 @@ def main(argv: list[str] | None = None) -> int:
     offline_bench.add_arguments(p)
     p.set_defaults(func=offline_bench.main_from_args)
     bench = p.add_subparsers(dest="bench")
-    p = bench.add_parser("serve", help="load an OpenAI-compatible server: TTFT, inter-token latency, throughput")
-    serve_bench.add_arguments(p)
-    p.set_defaults(func=serve_bench.main_from_args)
-    p = bench.add_parser("frontend", help="a running stream and /health while a server does input work beside them")
-    frontend_bench.add_arguments(p)
-    p.set_defaults(func=frontend_bench.main_from_args)
-    p = bench.add_parser("pd", help="colocated serving against prefill/decode disaggregation, one mixed load")
-    pd_bench.add_arguments(p)
-    p.set_defaults(func=pd_bench.main_from_args)
-    p = bench.add_parser("route", help="the replica routers (prefix, round-robin) on a multi-tenant load")
-    route_bench.add_arguments(p)
-    p.set_defaults(func=route_bench.main_from_args)
-    p = bench.add_parser("train", help="training tokens/s and memory beside transformers + peft, same data")
-    train_bench.add_arguments(p)
-    p.set_defaults(func=train_bench.main_from_args)
+    for name, module, help in (
+        ("serve", serve_bench, "load an OpenAI-compatible server: TTFT, inter-token latency, throughput"),
+        ("frontend", frontend_bench, "a running stream and /health while a server does input work beside them"),
+        ("pd", pd_bench, "colocated serving against prefill/decode disaggregation, one mixed load"),
+        ("route", route_bench, "the replica routers (prefix, round-robin) on a multi-tenant load"),
+        ("train", train_bench, "training tokens/s and memory beside transformers + peft, same data"),
+    ):
+        p = bench.add_parser(name, help=help)
+        module.add_arguments(p)
+        p.set_defaults(func=module.main_from_args)
     train_command.add_arguments(sub.add_parser("train", help="fine-tune a model on JSONL data, full or LoRA"))
     drafter_command.add_arguments(sub.add_parser("train-drafter", help="train an EAGLE drafter for a model"))
     sub.add_parser("models", help="list known models").set_defaults(func=cmd_models)
