@@ -146,23 +146,24 @@ def _run(
     context.enable_progress_bars = False  # ours counts lines
     threads = engine_config.threads or max(1, (os.cpu_count() or 1) // replicas)
     config = {f.name: getattr(engine_config, f.name) for f in dataclasses.fields(engine_config)} | {"threads": threads}
-    items = [{"id": r.id, "line": r.line, "request": json.dumps(r.request)} for r in rows]
+    # The id as its JSON (a string or an integer, written back as it came; one column type for Arrow).
+    items = [{"id": json.dumps(r.request["id"]), "line": r.line, "request": json.dumps(r.request)} for r in rows]
     results = ray.data.from_items(items).map_batches(
         BatchEngine,
         fn_constructor_kwargs={"engine_config": config},
         batch_size=batch_size,
-        concurrency=replicas,
+        compute=ray.data.ActorPoolStrategy(size=replicas),
         num_cpus=threads,
     )
     errors = []
     with target.open("a") as out, tqdm(total=len(rows), desc="batch", unit="line") as bar:
         for row in results.iter_rows():
-            result = json.loads(row["result"])
+            result, key = json.loads(row["result"]), json.loads(row["id"])
             if "error" in result:
-                errors.append(message := f"line {row['line']} (id {row['id']!r}): {result['error']}")
+                errors.append(message := f"line {row['line']} (id {key!r}): {result['error']}")
                 print(f"{source}: {message}: skipped", file=sys.stderr)
             else:
-                out.write(json.dumps({"id": row["id"]} | result) + "\n")
+                out.write(json.dumps({"id": key} | result) + "\n")
                 out.flush()
             bar.update(1)
     return errors
