@@ -19,6 +19,7 @@ Semantics as users know them:
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -99,82 +100,136 @@ def _ban(logits: torch.Tensor, rows: list[int], ids: list[int]) -> None:
         logits[torch.tensor(rows, device=logits.device), torch.tensor(ids, device=logits.device)] = float("-inf")
 
 
-def apply_processors(
-    logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]], controls: list[LogitControls | None]
-) -> torch.Tensor:
-    """Logits [B, V] (float32, not written) after every processor the rows ask for, in the documented order.
-    token_ids[i] and controls[i] are row i's sequence tokens and state."""
-    out = logits.clone()
-    vocab, device = logits.shape[-1], logits.device
-    rows = [i for i, c in enumerate(controls) if c is not None]
-    for i in rows:
-        controls[i].history.sync(token_ids[i])
+@dataclass(slots=True)
+class ProcessorRows:
+    """One step's rows as the processors see them (rows: those with controls, their histories synced)."""
 
-    if allowed := [i for i in rows if params[i].allowed_token_ids is not None]:
-        mask = torch.full((len(allowed), vocab), float("-inf"), device=device)
+    params: list[SamplingParams]
+    token_ids: list[list[int]]
+    controls: list[LogitControls | None]
+    rows: list[int]
+
+
+def _allowed(out: torch.Tensor, b: ProcessorRows) -> None:
+    if allowed := [i for i in b.rows if b.params[i].allowed_token_ids is not None]:
+        mask = torch.full((len(allowed), out.shape[-1]), float("-inf"), device=out.device)
         for j, i in enumerate(allowed):
-            mask[j, torch.tensor(params[i].allowed_token_ids, dtype=torch.int64, device=device)] = 0.0
-        out[torch.tensor(allowed, device=device)] += mask
+            mask[j, torch.tensor(b.params[i].allowed_token_ids, dtype=torch.int64, device=out.device)] = 0.0
+        out[torch.tensor(allowed, device=out.device)] += mask
 
+
+def _bad_words(out: torch.Tensor, b: ProcessorRows) -> None:
     ban_rows, ban_ids = [], []
-    for i in rows:
-        c, p = controls[i], params[i]
-        output = token_ids[i][c.history.num_prompt_tokens :]
-        for word in c.bad_words_ids:  # bad_words
+    for i in b.rows:
+        output = b.token_ids[i][b.controls[i].history.num_prompt_tokens :]
+        for word in b.controls[i].bad_words_ids:
             prefix = word[:-1]
             if len(output) >= len(prefix) and output[len(output) - len(prefix) :] == prefix:
                 ban_rows.append(i), ban_ids.append(word[-1])
-        if len(output) < p.min_tokens:  # min_tokens
+    _ban(out, ban_rows, ban_ids)
+
+
+def _min_tokens(out: torch.Tensor, b: ProcessorRows) -> None:
+    ban_rows, ban_ids = [], []
+    for i in b.rows:
+        c = b.controls[i]
+        if len(b.token_ids[i]) - c.history.num_prompt_tokens < b.params[i].min_tokens:
             ban_rows += [i] * len(c.min_tokens_stop_ids)
             ban_ids += c.min_tokens_stop_ids
     _ban(out, ban_rows, ban_ids)
 
+
+def _logit_bias(out: torch.Tensor, b: ProcessorRows) -> None:
     bias_rows, bias_ids, bias_values = [], [], []
-    for i in rows:
-        for token, bias in (params[i].logit_bias or {}).items():
+    for i in b.rows:
+        for token, bias in (b.params[i].logit_bias or {}).items():
             bias_rows.append(i), bias_ids.append(token), bias_values.append(bias)
     if bias_rows:
-        index = (torch.tensor(bias_rows, device=device), torch.tensor(bias_ids, device=device))
-        out.index_put_(index, torch.tensor(bias_values, dtype=out.dtype, device=device), accumulate=True)
+        index = (torch.tensor(bias_rows, device=out.device), torch.tensor(bias_ids, device=out.device))
+        out.index_put_(index, torch.tensor(bias_values, dtype=out.dtype, device=out.device), accumulate=True)
 
-    if penalized := [
+
+def _penalties(out: torch.Tensor, b: ProcessorRows) -> None:
+    params, device, vocab = b.params, out.device, out.shape[-1]
+    penalized = [
         i
-        for i in rows
+        for i in b.rows
         if params[i].repetition_penalty != 1.0 or params[i].presence_penalty or params[i].frequency_penalty
-    ]:
-        counts = torch.zeros(len(penalized), vocab, device=device)
-        for j, i in enumerate(penalized):
-            history = controls[i].history
-            if history.output_counts:
-                ids = torch.tensor(list(history.output_counts), device=device)
-                counts[j, ids] = torch.tensor(list(history.output_counts.values()), dtype=torch.float32, device=device)
-        index = torch.tensor(penalized, device=device)
-        sub = out[index]
-        repetition = torch.tensor([params[i].repetition_penalty for i in penalized], device=device).unsqueeze(1)
-        seen = counts > 0
-        for j, i in enumerate(penalized):
-            seen[j, controls[i].history.prompt_ids.to(device)] = True
-        sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
-        presence = torch.tensor([params[i].presence_penalty for i in penalized], device=device).unsqueeze(1)
-        frequency = torch.tensor([params[i].frequency_penalty for i in penalized], device=device).unsqueeze(1)
-        out[index] = sub - frequency * counts - presence * (counts > 0)
+    ]
+    if not penalized:
+        return
+    counts = torch.zeros(len(penalized), vocab, device=device)
+    for j, i in enumerate(penalized):
+        history = b.controls[i].history
+        if history.output_counts:
+            ids = torch.tensor(list(history.output_counts), device=device)
+            counts[j, ids] = torch.tensor(list(history.output_counts.values()), dtype=torch.float32, device=device)
+    index = torch.tensor(penalized, device=device)
+    sub = out[index]
+    repetition = torch.tensor([params[i].repetition_penalty for i in penalized], device=device).unsqueeze(1)
+    seen = counts > 0
+    for j, i in enumerate(penalized):
+        seen[j, b.controls[i].history.prompt_ids.to(device)] = True
+    sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
+    presence = torch.tensor([params[i].presence_penalty for i in penalized], device=device).unsqueeze(1)
+    frequency = torch.tensor([params[i].frequency_penalty for i in penalized], device=device).unsqueeze(1)
+    out[index] = sub - frequency * counts - presence * (counts > 0)
 
+
+def _ngrams(out: torch.Tensor, b: ProcessorRows) -> None:
     ngram_rows, ngram_ids = [], []
-    for i in rows:
-        if params[i].no_repeat_ngram_size:
-            banned = controls[i].history.banned_by_ngrams(token_ids[i])
+    for i in b.rows:
+        if b.params[i].no_repeat_ngram_size:
+            banned = b.controls[i].history.banned_by_ngrams(b.token_ids[i])
             ngram_rows += [i] * len(banned)
             ngram_ids += sorted(banned)
     _ban(out, ngram_rows, ngram_ids)
 
-    grammar_rows = [i for i in rows if controls[i].grammar is not None]
+
+def _grammar(out: torch.Tensor, b: ProcessorRows) -> None:
+    controls = b.controls
+    grammar_rows = [i for i in b.rows if controls[i].grammar is not None]
     for i in grammar_rows:
-        controls[i].grammar.sync(token_ids[i][controls[i].history.num_prompt_tokens :])
+        controls[i].grammar.sync(b.token_ids[i][controls[i].history.num_prompt_tokens :])
         controls[i].dead_ends.clear()
     apply_grammar_masks(out, grammar_rows, [controls[i].grammar.allowed() for i in grammar_rows])
     if grammar_rows:  # the grammar's tokens and the bans intersected: where nothing is left, the request ends
-        empty = torch.isneginf(out[torch.tensor(grammar_rows, device=device)]).all(dim=1).tolist()
+        empty = torch.isneginf(out[torch.tensor(grammar_rows, device=out.device)]).all(dim=1).tolist()
         for i in (i for i, none_left in zip(grammar_rows, empty) if none_left and controls[i].eos_token_id is not None):
-            controls[i].dead_ends.add(len(token_ids[i]))
+            controls[i].dead_ends.add(len(b.token_ids[i]))
             out[i, controls[i].eos_token_id] = 0.0
+
+
+# The processors in the order they apply, each by the name a stage of the explorer shows (explorer/): one list, so
+# that sampling and showing what each step did cannot drift apart.
+PROCESSORS = (
+    ("allowed_token_ids", _allowed),
+    ("bad_words", _bad_words),
+    ("min_tokens", _min_tokens),
+    ("logit_bias", _logit_bias),
+    ("penalties", _penalties),
+    ("no_repeat_ngram", _ngrams),
+    ("grammar", _grammar),
+)
+
+
+def apply_processors(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    token_ids: list[list[int]],
+    controls: list[LogitControls | None],
+    after_each: Callable[[str, torch.Tensor], None] | None = None,
+) -> torch.Tensor:
+    """Logits [B, V] (float32, not written) after every processor the rows ask for, in the documented order.
+    token_ids[i] and controls[i] are row i's sequence tokens and state. `after_each(name, logits)`: called after
+    each processor with the logits so far (the explorer's stages; not to be written)."""
+    out = logits.clone()
+    rows = [i for i, c in enumerate(controls) if c is not None]
+    for i in rows:
+        controls[i].history.sync(token_ids[i])
+    batch = ProcessorRows(params, token_ids, controls, rows)
+    for name, processor in PROCESSORS:
+        processor(out, batch)
+        if after_each is not None:
+            after_each(name, out)
     return out
