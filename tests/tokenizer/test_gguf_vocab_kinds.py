@@ -159,3 +159,10 @@ def bad_meta(**kv) -> dict:
 def test_unsupported_vocabularies_raise_value_error_naming_them(meta: dict, name: str):
     with pytest.raises(ValueError, match=name):
         Tokenizer.from_gguf_metadata(meta)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_sentencepiece_token_bytes_join_into_the_text(sentencepiece_pair, text: str):
+    ours, _ = sentencepiece_pair
+    pieces = ours.token_bytes(ours.encode(text, add_special_tokens=False))
+    assert b"".join(pieces).lstrip(b" ") == text.encode().lstrip(b" ")  # the space prefix is the first piece's "▁"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ class Tokenizer:
     eos_token: str | None = field(init=False)
     add_bos_token: bool = field(init=False)  # whether encode(add_special_tokens=True) prepends BOS
     _max_token_bytes: int | None = field(default=None, init=False, repr=False)  # 0: no bound (min_tokens)
+    _piece_bytes: Callable[[str], bytes] | None = field(default=None, init=False, repr=False)  # token_bytes
 
     def __post_init__(self) -> None:
         self.bos_token = None if self.bos_token_id is None else self.backend.id_to_token(self.bos_token_id)
@@ -116,6 +117,18 @@ class Tokenizer:
             self._max_token_bytes = longest + 1 if lengthens and not unknown else 0
         return -(-len(text.encode()) // self._max_token_bytes) if self._max_token_bytes else 0
 
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
+        """Each token's own bytes (decode([id]) loses a multi-byte character split across tokens): the pieces
+        join into the text's bytes. Byte-level vocabularies (GPT-2's byte-to-character map) and SentencePiece ones
+        ("▁" for a space, "<0xXX>" byte fallback) are read exactly; an added token is its text."""
+        if self._piece_bytes is None:
+            self._piece_bytes = _piece_decoder(json.loads(self.backend.to_str()).get("decoder"))
+        added = self.backend.get_added_tokens_decoder()
+        return [
+            added[i].content.encode() if i in added else self._piece_bytes(self.backend.id_to_token(i) or "")
+            for i in ids
+        ]
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
@@ -132,6 +145,37 @@ class Tokenizer:
             self.chat_template, messages, add_generation_prompt, self.bos_token, self.eos_token, **kwargs
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _byte_level_map() -> dict[str, int]:
+    """GPT-2's bytes_to_unicode, inverted: the character standing for each byte in a byte-level vocabulary."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+def _piece_decoder(decoder: dict[str, Any] | None) -> Callable[[str], bytes]:
+    """A vocabulary piece to its bytes, by the tokenizer's decoder."""
+    steps = [] if decoder is None else decoder.get("decoders", [decoder])
+    types = {step["type"] for step in steps}
+    if "ByteLevel" in types:
+        chars = _byte_level_map()
+        return lambda piece: bytes(chars[c] for c in piece if c in chars)
+    if "ByteFallback" in types:
+
+        def sentencepiece(piece: str) -> bytes:
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                return bytes([int(piece[3:5], 16)])
+            return piece.replace("▁", " ").encode()
+
+        return sentencepiece
+    return lambda piece: piece.encode()
 
 
 def _read_json(path: Path) -> dict[str, Any]:
