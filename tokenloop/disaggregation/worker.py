@@ -50,6 +50,7 @@ class Worker:
     def __init__(self, role: str, config: EngineConfig, limits: AsyncEngineConfig, conn: Connection) -> None:
         self.role, self.config, self.limits, self.conn = role, config, limits, conn
         self.tasks: dict[str, asyncio.Task] = {}
+        self.background: set[asyncio.Task] = set()  # releases and forgets under way
         self.peers = PeerPools()
 
     async def serve(self) -> None:
@@ -91,13 +92,19 @@ class Worker:
         elif kind == "decode":
             self._start(args[0], self._decode(*args))
         elif kind == "release":
-            self.loop.create_task(self.engine.call(lambda llm: llm.release_request(args[0])))
+            self._background(self.engine.call(lambda llm: llm.release_request(args[0])))
         elif kind == "abort" and (task := self.tasks.get(args[0])) is not None:
             task.cancel()  # leaving engine.generate aborts the request
         elif kind == "abort_all":
             self.engine.abort_all()
         elif kind == "forget":  # a prefill worker died: its pools' files are gone
-            self.loop.create_task(self.engine.call(lambda llm: self.peers.forget(args[0])))
+            self._background(self.engine.call(lambda llm: self.peers.forget(args[0])))
+
+    def _background(self, work) -> None:
+        """Run `work` on the loop, held until done (the loop keeps only weak references to its tasks)."""
+        task = self.loop.create_task(work)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
 
     def _start(self, request_id: str, work) -> None:
         async def run() -> None:
