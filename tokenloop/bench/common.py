@@ -57,3 +57,10 @@ def serving(cmd: list[str], health_url: str) -> Iterator[subprocess.Popen]:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def metric_values(text: str) -> dict[str, float]:
+    """A Prometheus text page as sample name -> value (a name with several label sets: its last one)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from tokenloop.bench import record
-from tokenloop.bench.common import DEFAULT_PROMPT, build_compiled_package, serving
+from tokenloop.bench.common import DEFAULT_PROMPT, build_compiled_package, metric_values, serving
 from tokenloop.bench.serve import RequestRecord, _stream_one, percentile
 
 GOALS = {"itl_p99": 5.0, "ttft_p50": 2.2, "throughput": 0.8}
@@ -145,9 +145,9 @@ async def run_load(base_url: str, model: str, prompts: list[list[int]], load: PD
         await _stream_one(client, url, {"model": model, "prompt": "Warm up.", "max_tokens": 4}, RequestRecord())
         steady, low = prompts[: load.long_count], prompts[load.long_count :]
         run.steady = await run_phase(client, url, model, steady, load.long_every_s, load)
-        before = _samples((await client.get(f"{base_url}/metrics")).text)
+        before = metric_values((await client.get(f"{base_url}/metrics")).text)
         run.low = await run_phase(client, url, model, low, load.low_every_s, load)
-        after = _samples((await client.get(f"{base_url}/metrics")).text)
+        after = metric_values((await client.get(f"{base_url}/metrics")).text)
 
     def low_load(name: str) -> float:  # the low load's part of a counter
         return after.get(name, 0.0) - before.get(name, 0.0)
@@ -160,12 +160,6 @@ async def run_load(base_url: str, model: str, prompts: list[list[int]], load: PD
         )
         run.blocks_skipped = after["tokenloop_pd_blocks_skipped_total"]
     return run
-
-
-def _samples(text: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
 
 
 def report(runs: list[Run], model: str, load: PDLoad) -> tuple[str, bool]:

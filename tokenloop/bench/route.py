@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from tokenloop.bench import record
-from tokenloop.bench.common import DEFAULT_PROMPT, build_compiled_package, serving
+from tokenloop.bench.common import DEFAULT_PROMPT, build_compiled_package, metric_values, serving
 from tokenloop.bench.serve import RequestRecord, _stream_one, percentile
 
 GOALS = {"ttft_p50": 1.5, "hit_rate": 1.8, "prediction_points": 5.0}
@@ -110,9 +110,7 @@ async def run_load(base_url: str, model: str, prompts: list[list[int]], load: Ro
         await asyncio.gather(*(one(p, r) for p, r in zip(prompts, run.records)))
         run.wall_s = time.perf_counter() - start
         metrics = (await client.get(f"{base_url}/metrics")).text
-    from prometheus_client.parser import text_string_to_metric_families
-
-    samples = {s.name: s.value for f in text_string_to_metric_families(metrics) for s in f.samples}
+    samples = metric_values(metrics)
     run.prompt_tokens = samples.get("tokenloop_router_prompt_tokens_total", 0.0)
     run.actual_hits = samples.get("tokenloop_router_actual_hit_tokens_total", 0.0)
     run.predicted_hits = samples.get("tokenloop_router_predicted_hit_tokens_total", 0.0)

@@ -46,6 +46,11 @@ READY_TIMEOUT_S = 600.0  # a worker loads its model (and may build a compiled pa
 STOP_TIMEOUT_S = 10.0
 
 
+def _available_cores() -> list[int]:
+    """The CPUs this process may run on (none known where the platform does not say)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
 @dataclass(frozen=True, slots=True)
 class DisaggregationConfig:
     prefill_workers: int = 1
@@ -60,7 +65,7 @@ class DisaggregationConfig:
         for name in ("prefill_workers", "decode_workers", "min_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        available = _available_cores()
         for name in ("prefill_cores", "decode_cores"):
             cores = getattr(self, name)
             if cores is not None and (not cores or (available and not set(cores) <= set(available))):
@@ -68,7 +73,7 @@ class DisaggregationConfig:
 
     def cores(self, role: str, index: int) -> list[int]:
         """The cores of worker `index` of `role`: its kind's cores, shared out among its workers."""
-        available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+        available = _available_cores() or [0]
         half = max(len(available) // 2, 1)
         given = self.prefill_cores if role == "prefill" else self.decode_cores
         cores = list(given) if given is not None else available[:half] if role == "prefill" else available[-half:]

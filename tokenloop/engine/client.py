@@ -13,7 +13,6 @@ from tokenloop.engine.input_processor import InputProcessor, ProcessedPrompt, Pr
 from tokenloop.engine.input_threads import InputThreads
 from tokenloop.engine.lora import LoRARequest
 from tokenloop.engine.metrics import EngineMetrics
-from tokenloop.engine.model_runner import kv_bytes_per_block
 from tokenloop.models.loader import load_config, load_tokenizer
 from tokenloop.outputs import RequestOutput
 from tokenloop.sampling.params import SamplingParams
@@ -55,6 +54,5 @@ def remote_inputs(config: EngineConfig) -> InputProcessor:
     """The InputProcessor of a frontend whose engines run elsewhere (worker processes, replicas): the engines'
     tokenizer and limits, from their config, without their weights."""
     model = load_config(config.model)
-    max_model_len = min(config.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
-    num_blocks = int(config.kv_cache_gb * 2**30) // kv_bytes_per_block(model, config.block_size, config.kv_cache_dtype)
-    return InputProcessor(load_tokenizer(config.model), model.vocab_size, max_model_len, num_blocks * config.block_size)
+    kv_cache_tokens = config.num_kv_blocks(model) * config.block_size
+    return InputProcessor(load_tokenizer(config.model), model.vocab_size, config.context_length(model), kv_cache_tokens)

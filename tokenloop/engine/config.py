@@ -11,6 +11,8 @@ import torch
 from tokenloop import kernels
 from tokenloop.engine.compiled_decode import CompileSpec
 from tokenloop.engine.lora import LoRARequest
+from tokenloop.engine.model_runner import kv_bytes_per_block
+from tokenloop.models.config import ModelConfig
 from tokenloop.spec_decode.config import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -92,6 +94,14 @@ class EngineConfig:
             if len(set(names)) != len(names):
                 raise ValueError(f"lora_modules names must be distinct, got {names}")
             self.enable_lora = True
+
+    def context_length(self, model: ModelConfig) -> int:
+        """The engine's context: max_model_len, at most the model's own."""
+        return min(self.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
+
+    def num_kv_blocks(self, model: ModelConfig) -> int:
+        """The KV blocks kv_cache_gb holds of this model."""
+        return int(self.kv_cache_gb * 2**30) // kv_bytes_per_block(model, self.block_size, self.kv_cache_dtype)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -19,7 +19,7 @@ from tokenloop.engine.executor import StepExecutor, StepResult
 from tokenloop.engine.faults import FaultInjection
 from tokenloop.engine.input_processor import InputProcessor, ProcessedPrompt, Prompt
 from tokenloop.engine.lora import LoRAManager, LoRARequest, LoRASlot
-from tokenloop.engine.model_runner import ModelRunner, kv_bytes_per_block, zeroed_pool
+from tokenloop.engine.model_runner import ModelRunner, zeroed_pool
 from tokenloop.engine.output_processor import CompletionState, OutputProcessor
 from tokenloop.engine.requests import ForkedRequest, Request, new_request
 from tokenloop.engine.scheduler import Scheduler
@@ -49,12 +49,8 @@ class LLMEngine:
         loaded = load_model(config.model, config.torch_dtype, device, keep_quantized=config.dtype == "auto")
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.max_model_len = min(
-            config.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings
-        )
-        num_blocks = int(config.kv_cache_gb * 2**30) // kv_bytes_per_block(
-            loaded.config, config.block_size, config.kv_cache_dtype
-        )
+        self.max_model_len = config.context_length(loaded.config)
+        num_blocks = config.num_kv_blocks(loaded.config)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_gb={config.kv_cache_gb} does not hold one KV block of this model")
         identity = block_identity(loaded.path, config.dtype, config.kv_cache_dtype)

@@ -11,7 +11,6 @@ its requests first (Serve's graceful shutdown), then Ray stops.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 from dataclasses import dataclass, replace
@@ -20,7 +19,7 @@ from ray import serve
 
 from tokenloop.engine.config import EngineConfig
 from tokenloop.scale_out.client import ReplicaSetClient
-from tokenloop.scale_out.replica import EngineReplica
+from tokenloop.scale_out.replica import EngineReplica, replica_threads
 from tokenloop.scale_out.routers import ROUTERS
 from tokenloop.server.app import build_app
 from tokenloop.server.serve import ServerConfig
@@ -57,7 +56,7 @@ class Ingress:
 def build_application(engine_config: EngineConfig, server: ServerConfig, config: ReplicaConfig):
     from ray.serve.config import RequestRouterConfig
 
-    threads = engine_config.threads or max(1, (os.cpu_count() or 1) // config.replicas)
+    threads = replica_threads(engine_config, config.replicas)
     engine_config = replace(engine_config, threads=threads)
     replicas = serve.deployment(
         EngineReplica,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,10 +140,12 @@ def _run(
 ) -> list[str]:
     import ray
 
+    from tokenloop.scale_out.replica import replica_threads
+
     context = ray.data.DataContext.get_current()
     context.execution_options.preserve_order = True  # outputs in the input's order
     context.enable_progress_bars = False  # ours counts lines
-    threads = engine_config.threads or max(1, (os.cpu_count() or 1) // replicas)
+    threads = replica_threads(engine_config, replicas)
     config = {f.name: getattr(engine_config, f.name) for f in dataclasses.fields(engine_config)} | {"threads": threads}
     # The id as its JSON (a string or an integer, written back as it came; one column type for Arrow).
     items = [{"id": json.dumps(r.request["id"]), "line": r.line, "request": json.dumps(r.request)} for r in rows]

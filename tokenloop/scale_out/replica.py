@@ -6,6 +6,7 @@ blocks in its prefix cache, read on its step thread, with its requests in flight
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import AsyncIterator
 
@@ -13,6 +14,11 @@ from tokenloop.engine.async_engine import AsyncEngine, AsyncEngineConfig
 from tokenloop.engine.config import EngineConfig
 from tokenloop.engine.input_processor import ProcessedPrompt
 from tokenloop.outputs import RequestOutput
+
+
+def replica_threads(config: EngineConfig, replicas: int) -> int:
+    """Each replica's threads (and the CPUs it asks Ray for): --threads, else this machine's cores shared out."""
+    return config.threads or max(1, (os.cpu_count() or 1) // replicas)
 
 
 class EngineReplica:

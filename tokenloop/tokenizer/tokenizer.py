@@ -42,7 +42,9 @@ class Tokenizer:
     eos_token: str | None = field(init=False)
     add_bos_token: bool = field(init=False)  # whether encode(add_special_tokens=True) prepends BOS
     _max_token_bytes: int | None = field(default=None, init=False, repr=False)  # 0: no bound (min_tokens)
-    _piece_bytes: Callable[[str], bytes] | None = field(default=None, init=False, repr=False)  # token_bytes
+    # token_bytes: a vocabulary piece to its bytes, and the added tokens (their text), built on first use
+    _piece_bytes: Callable[[str], bytes] | None = field(default=None, init=False, repr=False)
+    _added: dict[int, bytes] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.bos_token = None if self.bos_token_id is None else self.backend.id_to_token(self.bos_token_id)
@@ -123,11 +125,9 @@ class Tokenizer:
         ("▁" for a space, "<0xXX>" byte fallback) are read exactly; an added token is its text."""
         if self._piece_bytes is None:
             self._piece_bytes = _piece_decoder(json.loads(self.backend.to_str()).get("decoder"))
-        added = self.backend.get_added_tokens_decoder()
-        return [
-            added[i].content.encode() if i in added else self._piece_bytes(self.backend.id_to_token(i) or "")
-            for i in ids
-        ]
+            self._added = {i: t.content.encode() for i, t in self.backend.get_added_tokens_decoder().items()}
+        added = self._added
+        return [added[i] if i in added else self._piece_bytes(self.backend.id_to_token(i) or "") for i in ids]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
