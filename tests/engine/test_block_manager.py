@@ -122,9 +122,9 @@ def test_a_fork_that_recomputes_the_last_prompt_token_copies_the_full_cached_blo
     parent = seq(range(8), "p")
     run_prefill(m, parent)  # two full blocks, both cached
     child = seq(range(8), "c")
-    m.fork(parent, child, 8)
+    m.fork(parent, child, 7)
     child.num_computed_tokens = 7  # n > 1: position 7 again, to sample its own first token
-    assert child.num_hashed_blocks == 2 and m.allocate(child, 8) and child.block_table == [0, 2]
+    assert child.num_hashed_blocks == 1 and m.allocate(child, 8) and child.block_table == [0, 2]
     assert m.take_copies() == [(1, 2)] and child.num_hashed_blocks == 1
     child.num_computed_tokens = 8
     m.cache_full_blocks(child)  # the same tokens: the cache keeps the parent's block
@@ -132,6 +132,22 @@ def test_a_fork_that_recomputes_the_last_prompt_token_copies_the_full_cached_blo
     m.free(child)
     m.free(parent)
     assert all(b.ref_count == 0 for b in m.blocks)
+
+
+def test_a_fork_inside_a_full_cached_block_copies_it_even_once_the_parent_let_it_go():
+    m = BlockManager(num_blocks=6, block_size=4)
+    parent = seq(range(10), "p")
+    run_prefill(m, parent)  # blocks 0, 1 full and cached; block 2 holds tokens 8, 9
+    child = seq([0, 1, 2, 3, 4, 5, 99], "c")  # the parent's first 6 tokens, then its own: a fork at position 6
+    m.fork(parent, child, 6)
+    child.num_computed_tokens = 6
+    assert child.block_table == [0, 1] and child.num_hashed_blocks == 1
+    m.free(parent)  # block 1 is the child's alone now, but the cache still lists it under tokens 4..7
+    assert m.blocks_needed(child, 7) == 1 and m.allocate(child, 7) and child.block_table == [0, 2]
+    assert m.take_copies() == [(1, 2)] and m.blocks[1].ref_count == 0 and 1 in m.free_queue
+    other = seq(range(9), "o")
+    m.match_prefix(other)  # the parent's prefix is still served from its untouched blocks
+    assert other.block_table == [0, 1] and other.num_cached_tokens == 8
 
 
 def test_copy_on_write_counts_in_the_blocks_needed_and_fails_whole():

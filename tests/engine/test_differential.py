@@ -253,6 +253,13 @@ def test_preemption_changes_no_token_or_logprob(make_llm, case, alone):
     assert llm.llm_engine.scheduler.num_preemptions > 0
 
 
+def test_tracing_every_step_for_the_explorer_changes_no_token_or_logprob(make_llm, case, alone):
+    """SamplingParams.trace (the explorer's record of each step's raw logits) on every request, in one batch."""
+    llm = make_llm(case.path, dtype=case.dtype)
+    traced = [(prompt, dataclasses.replace(params, trace=True)) for prompt, params in REQUESTS]
+    assert_same(run(llm, traced), alone)
+
+
 @pytest.mark.parametrize(
     "engine_args", [{}, {"max_num_batched_tokens": 7}, {"kv_blocks": 12}], ids=["batch", "chunked", "preempted"]
 )

@@ -185,11 +185,12 @@ class AsyncEngine(Admission):
         request_id: str | None = None,
         retain: bool = False,
         before_add: Callable[[LLMEngine], None] | None = None,
+        fork_of: tuple[str, int | None] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (cumulative; a slow reader skips the ones superseded meanwhile). Leaving
         the iteration early aborts it and frees its blocks. A prompt not yet processed is, first (a ValueError
-        then, before anything is queued). `retain`: LLMEngine.add_request's; `before_add` runs on the step thread
-        just before the request is queued (a decode worker copies its prompt's KV blocks in there)."""
+        then, before anything is queued). `retain` and `fork_of`: LLMEngine.add_request's; `before_add` runs on the
+        step thread just before the request is queued (a decode worker copies its prompt's KV blocks in there)."""
         if request_id is None:
             self._ids += 1
             request_id = f"req-{self._ids}"
@@ -200,7 +201,7 @@ class AsyncEngine(Admission):
         try:
             if not isinstance(prompt, ProcessedPrompt):
                 prompt = await self.input_threads.run(self.inputs.process, prompt, params or SamplingParams())
-            self._command("add", request_id, prompt, retain, before_add)
+            self._command("add", request_id, prompt, retain, before_add, fork_of)
             if self.death is not None:  # died before this stream was there to be told
                 self._put(request_id, stream, self._death_error())
             while not finished:
@@ -320,10 +321,10 @@ class AsyncEngine(Admission):
                 return
             try:
                 if kind == "add":
-                    prompt, retain, before_add = args
+                    prompt, retain, before_add, fork_of = args
                     if before_add is not None:
                         before_add(engine)
-                    engine.add_request(prompt, request_id=request_id, retain=retain)
+                    engine.add_request(prompt, request_id=request_id, retain=retain, fork_of=fork_of)
                     self.metrics.prompt_tokens.inc(len(prompt.prompt_token_ids))
                 elif kind == "call":
                     future, fn = args

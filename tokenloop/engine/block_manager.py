@@ -149,22 +149,24 @@ class BlockManager:
         )
 
     def _shared_write_block(self, seq: Sequence, num_tokens: int) -> bool:
-        """Whether the next tokens of `seq` would be written into a block another sequence also holds."""
+        """Whether the next tokens of `seq` would be written into a block another sequence also holds, or into a
+        block of the prefix cache (a fork inside a full block: the cache lists it under other tokens, and a later
+        hit must read those)."""
         index = seq.num_computed_tokens // self.block_size
-        return (
-            num_tokens > seq.num_computed_tokens
-            and index < len(seq.block_table)
-            and self.blocks[seq.block_table[index]].ref_count > 1
-        )
+        if num_tokens <= seq.num_computed_tokens or index >= len(seq.block_table):
+            return False
+        block = self.blocks[seq.block_table[index]]
+        return block.ref_count > 1 or block.hash is not None
 
-    def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
-        """Give `child` (holding no blocks) the blocks of `parent`'s first `num_tokens` tokens, by reference.
-        Whichever of them next writes into a shared, partly filled block gets a copy of it first."""
+    def fork(self, parent: Sequence, child: Sequence, num_computed_tokens: int) -> None:
+        """Give `child` (holding no blocks), whose first `num_computed_tokens` tokens are the parent's, the blocks
+        that hold them, by reference. Whichever of them next writes into a shared block gets a copy of it first."""
         assert not child.block_table
-        child.block_table = parent.block_table[: -(-num_tokens // self.block_size)]
+        child.block_table = parent.block_table[: -(-num_computed_tokens // self.block_size)]
         for block_id in child.block_table:
             self.blocks[block_id].ref_count += 1
-        child.num_hashed_blocks = min(parent.num_hashed_blocks, len(child.block_table))
+        # Only blocks full of tokens the child keeps are hashed for it (a fork may land inside a full block).
+        child.num_hashed_blocks = min(parent.num_hashed_blocks, num_computed_tokens // self.block_size)
 
     def match_prefix(self, seq: Sequence) -> None:
         """Take cached blocks for the longest cached prefix of a sequence that holds no blocks yet.
@@ -196,7 +198,7 @@ class BlockManager:
         if self._shared_write_block(seq, num_tokens):
             index = seq.num_computed_tokens // self.block_size
             shared, own = seq.block_table[index], self._new_block()
-            self.blocks[shared].ref_count -= 1  # still held by another sequence
+            self._drop(shared)  # another sequence holds it, or it stays in the prefix cache
             seq.block_table[index] = own
             seq.num_hashed_blocks = min(seq.num_hashed_blocks, index)
             self.pending_copies.append((shared, own))

@@ -21,7 +21,7 @@ from tokenloop.engine.input_processor import InputProcessor, ProcessedPrompt, Pr
 from tokenloop.engine.lora import LoRAManager, LoRARequest, LoRASlot
 from tokenloop.engine.model_runner import ModelRunner, zeroed_pool
 from tokenloop.engine.output_processor import CompletionState, OutputProcessor
-from tokenloop.engine.requests import ForkedRequest, Request, new_request
+from tokenloop.engine.requests import Request, new_request
 from tokenloop.engine.scheduler import Scheduler
 from tokenloop.engine.sequence import Sequence
 from tokenloop.engine.shared_pools import SharedPools
@@ -101,46 +101,56 @@ class LLMEngine:
         request_id: str | None = None,
         retain: bool = False,
         lora_request: LoRARequest | None = None,
+        fork_of: tuple[str, int | None] | None = None,
     ) -> str:
         """Queue a request: a prompt with its params, or a ProcessedPrompt (InputProcessor.process), which holds
         them. BeamSearchParams make it a beam search (engine/beam_search.py): its one output, at the end, holds
         the best params.n beams, best first. `retain` (n = 1): once it finishes, its sequence keeps its KV blocks,
-        for fork_request to continue it, until release_request. `lora_request`: the adapter it runs (a
-        ProcessedPrompt carries its own)."""
+        for forks to continue it, until release_request. `lora_request`: the adapter it runs (a ProcessedPrompt
+        carries its own). `fork_of` (request id, at): the prompt starts with the first `at` tokens (None: all) of
+        that finished, retained request and starts on its KV blocks, by reference, running its adapter."""
         if not isinstance(prompt, ProcessedPrompt):
             prompt = self.input_processor.process(prompt, params or SamplingParams(), lora_request)
         elif params is not None and params is not prompt.params or lora_request not in (None, prompt.lora_request):
             raise ValueError("a ProcessedPrompt carries its own params and adapter: pass none with it")
-        lora = self._lora_slot(prompt.lora_request)
-        request = new_request(self._request_id(request_id), prompt, retain, self.tokenizer.eos_token_ids, lora)
+        fork = self._fork_point(fork_of, prompt) if fork_of is not None else None
+        lora = fork[0].lora if fork is not None else self._lora_slot(prompt.lora_request)
+        request = new_request(self._request_id(request_id), prompt, retain, self.tokenizer.eos_token_ids, lora, fork)
         self.requests[request.request_id] = request
         request.start(self)
         return request.request_id
 
+    def _fork_point(self, fork_of: tuple[str, int | None], prompt: ProcessedPrompt) -> tuple[Sequence, int]:
+        parent_id, at = fork_of
+        parent = self.retained(parent_id)
+        at = parent.num_tokens if at is None else at
+        if not 0 < at <= parent.num_tokens:
+            raise ValueError(f"fork_of: at must be in [1, {parent.num_tokens}] for request {parent_id!r}, got {at}")
+        if prompt.prompt_token_ids[:at] != parent.token_ids[:at]:
+            raise ValueError(f"fork_of: the prompt must start with the first {at} tokens of request {parent_id!r}")
+        return parent, at
+
     def fork_request(self, request_id: str, suffixes: list[list[int]], params: SamplingParams) -> list[str]:
         """New requests that continue a finished, retained one: each prompt is its tokens (prompt and output)
         followed by a suffix, and starts on its KV blocks, by reference; only the suffix is computed."""
-        parent = self._retained.get(request_id)
-        if parent is None:
-            raise ValueError(f"request {request_id!r} is not a finished request kept with retain=True")
+        parent = self.retained(request_id)
         processed = [
             self.input_processor.process({"prompt_token_ids": parent.token_ids + list(suffix)}, params)
             for suffix in suffixes
         ]
-        ids = []
-        for prompt in processed:
-            request = ForkedRequest(self._request_id(None), prompt, prompt.params, parent)
-            self.requests[request.request_id] = request
-            request.start(self)
-            ids.append(request.request_id)
-        return ids
+        return [self.add_request(prompt, fork_of=(request_id, None)) for prompt in processed]
+
+    def retained(self, request_id: str) -> Sequence:
+        """The sequence of a finished request kept with retain=True."""
+        seq = self._retained.get(request_id)
+        if seq is None:
+            raise ValueError(f"request {request_id!r} is not a finished request kept with retain=True")
+        return seq
 
     def retained_blocks(self, request_id: str) -> list[tuple[int, int]]:
         """(chain hash, block id) of each full, hashed block of a finished request kept with retain=True, in
         order: what a decode worker copies from a prefill worker (disaggregation/)."""
-        seq = self._retained.get(request_id)
-        if seq is None:
-            raise ValueError(f"request {request_id!r} is not a finished request kept with retain=True")
+        seq = self.retained(request_id)
         blocks = [self.block_manager.blocks[i] for i in seq.block_table[: seq.num_hashed_blocks]]
         return [(block.hash, block.block_id) for block in blocks]
 
@@ -177,6 +187,7 @@ class LLMEngine:
         seq = Sequence(f"{request.request_id}/{index}", list(prompt), len(prompt), params, generator)
         seq.score_prompt = index == 0 and params.prompt_logprobs is not None  # the others share its prompt
         seq.lora = request.lora
+        seq.trace = {} if params.trace else None
         seq.controls = LogitControls.for_request(
             params,
             seq.num_prompt_tokens,

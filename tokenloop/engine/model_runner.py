@@ -21,6 +21,7 @@ from torch import nn
 from tokenloop.engine.compiled_decode import CompileSpec, DecodeForward
 from tokenloop.engine.scheduler import ScheduledBatch
 from tokenloop.engine.sequence import Sequence
+from tokenloop.engine.trace import record_steps, rng_states
 from tokenloop.models.attention import AttentionMetadata
 from tokenloop.models.config import ModelConfig
 from tokenloop.models.lora_layers import LoRABatch, LoRAContext
@@ -360,13 +361,19 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> StepSamples:
         """One token per row of `logits`, row i by seqs[i]'s sampling parameters and generator; where a sequence
-        has a draft, its 1 + len(draft) rows are verified (spec_decode/rejection_sampler.py) and it gets 1 or more."""
+        has a draft, its 1 + len(draft) rows are verified (spec_decode/rejection_sampler.py) and it gets 1 or more.
+        Traced sequences (SamplingParams.trace) keep their rows (engine/trace.py)."""
+        states = rng_states(seqs)
         if any(s.draft is not None for s in seqs):
-            return StepSamples.from_sampler(*verify(logits, seqs, [s.params.logprobs for s in seqs]))
-        params = [s.params for s in seqs]
-        processors = ProcessorInputs(params, [s.token_ids for s in seqs], [s.controls for s in seqs])
-        num_logprobs = [s.num_candidates if s.num_candidates is not None else s.params.logprobs for s in seqs]
-        sampling = SamplingBatch.from_params(
-            params, [s.generator for s in seqs], logits.shape[-1], logits.device, processors, num_logprobs
-        )
-        return StepSamples.from_sampler(self.sampler(logits, sampling))
+            samples = StepSamples.from_sampler(*verify(logits, seqs, [s.params.logprobs for s in seqs]))
+        else:
+            params = [s.params for s in seqs]
+            processors = ProcessorInputs(params, [s.token_ids for s in seqs], [s.controls for s in seqs])
+            num_logprobs = [s.num_candidates if s.num_candidates is not None else s.params.logprobs for s in seqs]
+            sampling = SamplingBatch.from_params(
+                params, [s.generator for s in seqs], logits.shape[-1], logits.device, processors, num_logprobs
+            )
+            samples = StepSamples.from_sampler(self.sampler(logits, sampling))
+        if states is not None:
+            record_steps(seqs, logits, samples.counts, states)
+        return samples

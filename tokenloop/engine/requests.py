@@ -7,7 +7,8 @@ The engine's step is the same for every request; its kind decides through three 
 
 Kinds: SamplingRequest (n completions: the first prefills the prompt, the others fork off it once it has, sharing
 its KV blocks), RetainedRequest (n = 1, whose finished sequence keeps its blocks for ForkedRequests, until
-released), ForkedRequest (starts on a retained request's blocks; only its suffix is computed) and BeamRequest
+released), ForkedRequest (starts on a retained request's blocks, from any of its positions; only its suffix
+is computed) and BeamRequest
 (engine/beam_search.py: its beams are sequences forked and ended as the search ranks their rows).
 """
 
@@ -118,15 +119,33 @@ class RetainedRequest(Request):
 
 
 class ForkedRequest(SamplingRequest):
-    """Continues a finished, retained sequence: its prompt is that sequence's tokens and a suffix; with n > 1 the
-    others fork off its first once it has computed the suffix."""
+    """Continues a finished, retained sequence from its first `at` tokens: its prompt is those tokens and a suffix,
+    and only the suffix is computed; with n > 1 the others fork off its first once it has. `retain`: as a
+    RetainedRequest, its finished sequence keeps its blocks (a branch of the explorer's tree)."""
 
-    def __init__(self, request_id: str, processed: ProcessedPrompt, params: SamplingParams, parent: Sequence) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        processed: ProcessedPrompt,
+        params: SamplingParams,
+        parent: Sequence,
+        at: int,
+        retain: bool = False,
+    ) -> None:
         super().__init__(request_id, processed, params, parent.lora)  # it continues its parent's K/V
-        self.parent = parent
+        self.parent, self.at, self.retain = parent, at, retain
 
     def start(self, engine: Engine) -> None:
-        engine.scheduler.fork(self.parent, self._first(engine), self.parent.num_computed_tokens)
+        seq = self._first(engine)
+        seq.keep_blocks = seq.keep_blocks or self.retain
+        # Its last prompt token is computed again whatever it shares: its logits are what it samples from.
+        shared = min(self.parent.num_computed_tokens, self.at, seq.num_tokens - 1)
+        engine.scheduler.fork(self.parent, seq, shared)
+
+    def after_step(self, engine: Engine, out: OutputProcessor) -> RequestOutput | None:
+        if self.retain and self.finished:
+            engine.keep(self.request_id, self.completions[0].seq)
+        return super().after_step(engine, out)
 
 
 class BeamRequest(Request):
@@ -188,11 +207,22 @@ class BeamRequest(Request):
 
 
 def new_request(
-    request_id: str, processed: ProcessedPrompt, retain: bool, eos_token_ids: list[int], lora: LoRASlot | None = None
+    request_id: str,
+    processed: ProcessedPrompt,
+    retain: bool,
+    eos_token_ids: list[int],
+    lora: LoRASlot | None = None,
+    fork_of: tuple[Sequence, int] | None = None,
 ) -> Request:
-    """The kind of request `processed` asks for."""
+    """The kind of request `processed` asks for; `fork_of` (a retained sequence, and how many of its tokens the
+    prompt starts with) makes it a fork."""
     if isinstance(processed.params, BeamSearchParams):
+        if fork_of is not None:
+            raise ValueError("a beam search cannot be a fork of a retained request")
         return BeamRequest(request_id, processed, eos_token_ids, lora)
     if retain and processed.params.n != 1:
         raise ValueError(f"n must be 1 for a retained request, got {processed.params.n}")
+    if fork_of is not None:
+        parent, at = fork_of
+        return ForkedRequest(request_id, processed, processed.params, parent, at, retain)
     return (RetainedRequest if retain else SamplingRequest)(request_id, processed, processed.params, lora)

@@ -116,9 +116,9 @@ class Scheduler:
                 self.finish(seq, free=not seq.keep_blocks)
 
     def fork(self, parent: Sequence, child: Sequence, num_computed_tokens: int) -> None:
-        """Start `child` (its tokens a prefix of the parent's, or the parent's) on its parent's blocks: it runs at
-        once, from `num_computed_tokens` on, and shares every block until one of them writes into a shared one."""
-        self.block_manager.fork(parent, child, len(child.token_ids))
+        """Start `child`, whose first `num_computed_tokens` tokens are its parent's, on its parent's blocks: it runs
+        at once, from there on, and shares those blocks until one of them writes into a shared one."""
+        self.block_manager.fork(parent, child, num_computed_tokens)
         child.num_computed_tokens = num_computed_tokens
         for listener in self.on_fork:
             listener(parent, child, num_computed_tokens)

@@ -13,6 +13,7 @@ from tokenloop.sampling.processors import LogitControls
 
 if TYPE_CHECKING:
     from tokenloop.engine.lora import LoRASlot
+    from tokenloop.engine.trace import TraceStep
     from tokenloop.spec_decode.proposer import Draft
 
 
@@ -54,6 +55,7 @@ class Sequence:
     # the first completion of n until the others have forked off it).
     keep_blocks: bool = False
     lora: LoRASlot | None = None  # its request's adapter (None: the base model)
+    trace: dict[int, TraceStep] | None = None  # position -> its step's record, when its params ask (engine/trace.py)
 
     @property
     def request_id(self) -> str:

@@ -46,6 +46,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = (
         None  # a grammar every token must follow (sampling/structured.py)
     )
+    # Keep each step's raw logits on the sequence (engine/trace.py): what the explorer shows. Changes no token.
+    trace: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -111,6 +113,8 @@ class SamplingParams:
             raise ValueError(
                 f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}"
             )
+        if not isinstance(self.trace, bool):
+            raise ValueError(f"trace must be a bool, got {self.trace!r}")
         if not _is_int(self.no_repeat_ngram_size) or self.no_repeat_ngram_size < 0:
             raise ValueError(f"no_repeat_ngram_size must be an integer >= 0, got {self.no_repeat_ngram_size!r}")
 

@@ -26,9 +26,9 @@ class Stage:
 def distribution_stages(
     logits: torch.Tensor, params: SamplingParams, token_ids: list[int], controls: LogitControls | None
 ) -> list[Stage]:
-    """The stages of one row ([V] logits of the sequence `token_ids`), each a copy; greedy params stop after the
-    processors (the argmax of the last stage is the choice). `controls` are advanced as a step would advance them
-    (a grammar's matcher syncs to token_ids): pass a copy that sampling does not use."""
+    """The stages of one row ([V] logits of the sequence `token_ids`), each a copy; greedy params go from the
+    processors straight to the final stage (its argmax is the choice). `controls` are advanced as a step would
+    advance them (a grammar's matcher syncs to token_ids): pass a copy that sampling does not use."""
     row = logits.float().unsqueeze(0)
     stages = [Stage("raw", row[0].clone())]
     if controls is not None:
@@ -39,7 +39,7 @@ def distribution_stages(
 
         row = apply_processors(row, [params], [token_ids], [controls], after_each=keep)
     if params.temperature < SAMPLING_EPS:
-        return stages
+        return [*stages, Stage("final", row[0].log_softmax(dim=-1))]
     row = row / params.temperature
     stages.append(Stage("temperature", row[0].clone()))
     vocab = row.shape[-1]
