@@ -331,6 +331,35 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_explore(args) -> int:
+    """`serve`, and once /health answers, the explorer page in the default browser (the API key in the address's
+    fragment, which never reaches the server's logs)."""
+    import threading
+    import urllib.request
+    import webbrowser
+
+    if args.replicas is not None or args.disaggregate:
+        raise ValueError("explore runs one engine: --replicas and --disaggregate are for serve")
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    url = f"http://{host}:{args.port}"
+    page = f"{url}/explore" + (f"#key={args.api_key}" if args.api_key else "")
+
+    def open_when_up() -> None:
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.2)
+        print(f"explorer: {page}", file=sys.stderr, flush=True)
+        if not args.no_open:
+            webbrowser.open(page)
+
+    threading.Thread(target=open_when_up, daemon=True).start()
+    return cmd_serve(args)
+
+
 def cmd_batch(args) -> int:
     from tokenloop.scale_out.batch import run_batch
 
@@ -373,43 +402,8 @@ def _log_progress_to_stderr() -> None:
         logger.setLevel(logging.INFO)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tokenloop", description="Generate text with LLMs, token by token.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("generate", help="stream the continuation of a prompt")
-    p.add_argument("prompt")
-    _add_model_args(p)
-    p.add_argument(
-        "--strategy",
-        choices=["sample", "beam", "vote", "skeleton"],
-        default="sample",
-        help="sample (stream one continuation, the default); beam: beam search; vote: self-consistency over "
-        "--n chat answers read by --answer; skeleton: an outline, its points expanded together",
-    )
-    p.add_argument("--beam-width", type=int, default=4, help="beams, with --strategy beam (default 4)")
-    p.add_argument("--n", type=int, default=8, help="samples voting, with --strategy vote (default 8)")
-    p.add_argument(
-        "--answer",
-        default=r"[Tt]he answer is:?\s*(-?[0-9][0-9,.]*)",
-        help="regex with one group that reads a sample's answer, with --strategy vote",
-    )
-    p.set_defaults(func=cmd_generate)
-    p = sub.add_parser("chat", help="multi-turn chat in the terminal")
-    p.add_argument("--system", default=None, help="system message")
-    _add_model_args(p)
-    p.set_defaults(func=cmd_chat)
-    p = sub.add_parser("perplexity", help="perplexity of the model on a text file")
-    p.add_argument("file")
-    p.add_argument(
-        "--model", "-m", default=None, help=f"known name, .gguf file or HF folder (default {store.DEFAULT_MODEL})"
-    )
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    p.add_argument("--device", default=None, help="torch device (default: the accelerator if any, else the CPU)")
-    p.add_argument("--window", type=int, default=512, help="tokens per window; each window is a fresh context")
-    p.add_argument("--max-tokens", type=int, default=None, help="score only the text's first N tokens")
-    _add_threads_arg(p)
-    p.set_defaults(func=cmd_perplexity)
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    """What `serve` and `explore` take."""
     p.add_argument(
         "--model", "-m", default=None, help=f"known name, .gguf file or HF folder (default {store.DEFAULT_MODEL})"
     )
@@ -423,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and /explore/api routes")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default=None)
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the paged KV cache")
@@ -483,7 +477,51 @@ def main(argv: list[str] | None = None) -> int:
         default=256,
         help="with --disaggregate: shorter prompts are computed by the decode worker itself (default 256)",
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokenloop", description="Generate text with LLMs, token by token.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("generate", help="stream the continuation of a prompt")
+    p.add_argument("prompt")
+    _add_model_args(p)
+    p.add_argument(
+        "--strategy",
+        choices=["sample", "beam", "vote", "skeleton"],
+        default="sample",
+        help="sample (stream one continuation, the default); beam: beam search; vote: self-consistency over "
+        "--n chat answers read by --answer; skeleton: an outline, its points expanded together",
+    )
+    p.add_argument("--beam-width", type=int, default=4, help="beams, with --strategy beam (default 4)")
+    p.add_argument("--n", type=int, default=8, help="samples voting, with --strategy vote (default 8)")
+    p.add_argument(
+        "--answer",
+        default=r"[Tt]he answer is:?\s*(-?[0-9][0-9,.]*)",
+        help="regex with one group that reads a sample's answer, with --strategy vote",
+    )
+    p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("chat", help="multi-turn chat in the terminal")
+    p.add_argument("--system", default=None, help="system message")
+    _add_model_args(p)
+    p.set_defaults(func=cmd_chat)
+    p = sub.add_parser("perplexity", help="perplexity of the model on a text file")
+    p.add_argument("file")
+    p.add_argument(
+        "--model", "-m", default=None, help=f"known name, .gguf file or HF folder (default {store.DEFAULT_MODEL})"
+    )
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--device", default=None, help="torch device (default: the accelerator if any, else the CPU)")
+    p.add_argument("--window", type=int, default=512, help="tokens per window; each window is a fresh context")
+    p.add_argument("--max-tokens", type=int, default=None, help="score only the text's first N tokens")
+    _add_threads_arg(p)
+    p.set_defaults(func=cmd_perplexity)
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _add_serve_args(p)
     p.set_defaults(func=cmd_serve)
+    p = sub.add_parser("explore", help="serve, and open the explorer page (/explore) in the browser")
+    _add_serve_args(p)
+    p.add_argument("--no-open", action="store_true", help="print the page's address, open no browser")
+    p.set_defaults(func=cmd_explore)
     p = sub.add_parser("batch", help='an offline batch of JSON lines on Ray Data (pip install "tokenloop[ray]")')
     from tokenloop.scale_out.batch import add_arguments as add_batch_arguments
 

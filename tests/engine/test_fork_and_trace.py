@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tokenloop import SamplingParams
+from tokenloop.engine.requests import Fork
 from tokenloop.engine.trace import redraw
 from tokenloop.sampling.processors import LogitControls
 from tokenloop.sampling.stages import distribution_stages
@@ -25,14 +26,16 @@ def test_a_fork_inside_a_block_shares_the_blocks_before_it_and_generates_as_a_fr
     written = prompt + out.outputs[0].token_ids
     at = 2 * bs + 5  # inside the third block, which is full and in the prefix cache
     suffix = [(written[at] + 1) % 300 + 2]
-    child = engine.add_request({"prompt_token_ids": written[:at] + suffix}, greedy, retain=True, fork_of=(parent, at))
+    child = engine.add_request(
+        {"prompt_token_ids": written[:at] + suffix}, greedy, retain=True, fork_of=Fork(parent, at)
+    )
     (forked,) = llm._run([child], use_tqdm=False)
     parent_table = engine.retained(parent).block_table
     child_table = engine.retained(child).block_table
     assert child_table[:2] == parent_table[:2] and child_table[2] != parent_table[2]  # copy on write at block 2
     assert all(engine.block_manager.blocks[b].ref_count == 2 for b in parent_table[:2])
     with pytest.raises(ValueError, match="must start with"):
-        engine.add_request({"prompt_token_ids": [9] + written[1:at]}, greedy, fork_of=(parent, at))
+        engine.add_request({"prompt_token_ids": [9] + written[1:at]}, greedy, fork_of=Fork(parent, at))
     engine.release_request(parent)
     engine.release_request(child)
     assert engine.block_manager.num_used_blocks == 0

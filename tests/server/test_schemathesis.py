@@ -52,6 +52,18 @@ CROSS_FIELD_RULES = (
     # with tool_use cannot be, its tool_result must follow in a user turn (Anthropic's rule)
     "messages: the template does not write the last message's content as it is",
     "tool_use needs a user turn after it with its tool_result",
+    # the explorer (/explore/api): a chat prompt in text; a picked token within the vocabulary; one
+    # grammar; an import whose branches name their parents and segments; a tree at its caps
+    "chat: the chat template takes a prompt",
+    "must be below the vocabulary size",
+    "json_schema and regex: give at most one",
+    "the export cannot replay branch",
+    "the cap is",
+    "a tree's first branch holds the others",
+    "a beam is a result of the search",
+    "answer: the regex",
+    "has ended (a stop token or string)",
+    "is not allowed by the grammar at this step",
     # not cross-field: a false positive of the fuzzer's validator, which compares big integers as doubles, so a
     # seed a little above 2^63 - 1 (2^63 + 192, sent on /v1/messages) reads as within the bound
     "seed: Input should be less than or equal to 9223372036854775807",

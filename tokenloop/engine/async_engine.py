@@ -34,6 +34,7 @@ from tokenloop.engine.input_threads import InputThreads
 from tokenloop.engine.llm_engine import LLMEngine
 from tokenloop.engine.lora import LoRARequest
 from tokenloop.engine.metrics import EngineMetrics
+from tokenloop.engine.requests import Fork
 from tokenloop.outputs import RequestOutput
 from tokenloop.sampling.params import SamplingParams
 
@@ -185,7 +186,7 @@ class AsyncEngine(Admission):
         request_id: str | None = None,
         retain: bool = False,
         before_add: Callable[[LLMEngine], None] | None = None,
-        fork_of: tuple[str, int | None] | None = None,
+        fork_of: Fork | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (cumulative; a slow reader skips the ones superseded meanwhile). Leaving
         the iteration early aborts it and frees its blocks. A prompt not yet processed is, first (a ValueError

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import replace
 
 import torch
 
@@ -21,7 +22,7 @@ from tokenloop.engine.input_processor import InputProcessor, ProcessedPrompt, Pr
 from tokenloop.engine.lora import LoRAManager, LoRARequest, LoRASlot
 from tokenloop.engine.model_runner import ModelRunner, zeroed_pool
 from tokenloop.engine.output_processor import CompletionState, OutputProcessor
-from tokenloop.engine.requests import Request, new_request
+from tokenloop.engine.requests import Fork, Request, new_request
 from tokenloop.engine.scheduler import Scheduler
 from tokenloop.engine.sequence import Sequence
 from tokenloop.engine.shared_pools import SharedPools
@@ -101,14 +102,14 @@ class LLMEngine:
         request_id: str | None = None,
         retain: bool = False,
         lora_request: LoRARequest | None = None,
-        fork_of: tuple[str, int | None] | None = None,
+        fork_of: Fork | None = None,
     ) -> str:
         """Queue a request: a prompt with its params, or a ProcessedPrompt (InputProcessor.process), which holds
         them. BeamSearchParams make it a beam search (engine/beam_search.py): its one output, at the end, holds
         the best params.n beams, best first. `retain` (n = 1): once it finishes, its sequence keeps its KV blocks,
         for forks to continue it, until release_request. `lora_request`: the adapter it runs (a ProcessedPrompt
-        carries its own). `fork_of` (request id, at): the prompt starts with the first `at` tokens (None: all) of
-        that finished, retained request and starts on its KV blocks, by reference, running its adapter."""
+        carries its own). `fork_of`: the prompt starts with the first tokens of a finished, retained request and
+        starts on its KV blocks, by reference, running its adapter (engine/requests.py Fork)."""
         if not isinstance(prompt, ProcessedPrompt):
             prompt = self.input_processor.process(prompt, params or SamplingParams(), lora_request)
         elif params is not None and params is not prompt.params or lora_request not in (None, prompt.lora_request):
@@ -120,15 +121,18 @@ class LLMEngine:
         request.start(self)
         return request.request_id
 
-    def _fork_point(self, fork_of: tuple[str, int | None], prompt: ProcessedPrompt) -> tuple[Sequence, int]:
-        parent_id, at = fork_of
-        parent = self.retained(parent_id)
-        at = parent.num_tokens if at is None else at
+    def _fork_point(self, fork: Fork, prompt: ProcessedPrompt) -> tuple[Sequence, Fork]:
+        parent = self.retained(fork.request_id)
+        at = parent.num_tokens if fork.at is None else fork.at
         if not 0 < at <= parent.num_tokens:
-            raise ValueError(f"fork_of: at must be in [1, {parent.num_tokens}] for request {parent_id!r}, got {at}")
+            raise ValueError(
+                f"fork_of: at must be in [1, {parent.num_tokens}] for request {fork.request_id!r}, got {at}"
+            )
         if prompt.prompt_token_ids[:at] != parent.token_ids[:at]:
-            raise ValueError(f"fork_of: the prompt must start with the first {at} tokens of request {parent_id!r}")
-        return parent, at
+            raise ValueError(
+                f"fork_of: the prompt must start with the first {at} tokens of request {fork.request_id!r}"
+            )
+        return parent, replace(fork, at=at)
 
     def fork_request(self, request_id: str, suffixes: list[list[int]], params: SamplingParams) -> list[str]:
         """New requests that continue a finished, retained one: each prompt is its tokens (prompt and output)
@@ -138,7 +142,7 @@ class LLMEngine:
             self.input_processor.process({"prompt_token_ids": parent.token_ids + list(suffix)}, params)
             for suffix in suffixes
         ]
-        return [self.add_request(prompt, fork_of=(request_id, None)) for prompt in processed]
+        return [self.add_request(prompt, fork_of=Fork(request_id)) for prompt in processed]
 
     def retained(self, request_id: str) -> Sequence:
         """The sequence of a finished request kept with retain=True."""
@@ -190,7 +194,7 @@ class LLMEngine:
         seq.trace = {} if params.trace else None
         seq.controls = LogitControls.for_request(
             params,
-            seq.num_prompt_tokens,
+            request.output_start if request.output_start is not None else seq.num_prompt_tokens,
             lambda text: self.tokenizer.encode(text, add_special_tokens=False),
             self.tokenizer.eos_token_ids,
             self.input_processor.grammars() if params.structured_outputs is not None else None,

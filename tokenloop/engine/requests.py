@@ -14,6 +14,7 @@ is computed) and BeamRequest
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from tokenloop.engine.beam_search import Beam, BeamSearch, BeamSearchParams
@@ -27,6 +28,18 @@ from tokenloop.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from tokenloop.engine.lora import LoRASlot
+
+
+@dataclass(frozen=True, slots=True)
+class Fork:
+    """Where a request starts on a finished, retained one: its prompt begins with that request's first `at` tokens
+    (None: all of them), whose KV blocks it takes by reference. `continues_output`: its logits processors
+    (penalties, min_tokens, bad words, the grammar) take the parent's output as the start of its own, as if one
+    request went on (the explorer's branches); else its output starts after its prompt, as any request's."""
+
+    request_id: str
+    at: int | None = None
+    continues_output: bool = False
 
 
 class Engine(Protocol):
@@ -56,6 +69,8 @@ class Request:
             [None] if params.prompt_logprobs is not None else None
         )
         self.paused = False  # out of the batches until its reader catches up (LLMEngine.pause_request)
+        # Where its output starts for the logits processors (None: after its prompt); a Fork may set it earlier.
+        self.output_start: int | None = None
 
     @property
     def finished(self) -> bool:
@@ -131,9 +146,15 @@ class ForkedRequest(SamplingRequest):
         parent: Sequence,
         at: int,
         retain: bool = False,
+        continues_output: bool = False,
     ) -> None:
         super().__init__(request_id, processed, params, parent.lora)  # it continues its parent's K/V
         self.parent, self.at, self.retain = parent, at, retain
+        if continues_output:
+            start = (
+                parent.controls.history.num_prompt_tokens if parent.controls is not None else parent.num_prompt_tokens
+            )
+            self.output_start = min(start, at)
 
     def start(self, engine: Engine) -> None:
         seq = self._first(engine)
@@ -212,10 +233,10 @@ def new_request(
     retain: bool,
     eos_token_ids: list[int],
     lora: LoRASlot | None = None,
-    fork_of: tuple[Sequence, int] | None = None,
+    fork_of: tuple[Sequence, Fork] | None = None,
 ) -> Request:
-    """The kind of request `processed` asks for; `fork_of` (a retained sequence, and how many of its tokens the
-    prompt starts with) makes it a fork."""
+    """The kind of request `processed` asks for; `fork_of` (a retained sequence, and the Fork naming it, its `at`
+    resolved) makes it a fork."""
     if isinstance(processed.params, BeamSearchParams):
         if fork_of is not None:
             raise ValueError("a beam search cannot be a fork of a retained request")
@@ -223,6 +244,6 @@ def new_request(
     if retain and processed.params.n != 1:
         raise ValueError(f"n must be 1 for a retained request, got {processed.params.n}")
     if fork_of is not None:
-        parent, at = fork_of
-        return ForkedRequest(request_id, processed, processed.params, parent, at, retain)
+        parent, fork = fork_of
+        return ForkedRequest(request_id, processed, processed.params, parent, fork.at, retain, fork.continues_output)
     return (RetainedRequest if retain else SamplingRequest)(request_id, processed, processed.params, lora)

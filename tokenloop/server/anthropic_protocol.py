@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from tokenloop.sampling.params import SEED_MAX, SEED_MIN
-from tokenloop.server.protocol import _STRICT, Int, NonEmptyText, find_surrogate
+from tokenloop.server.protocol import STRICT, Int, NonEmptyText, find_surrogate
 from tokenloop.tools.calling import Function, ToolCalling
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ BLOCK_TYPES = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use"
 
 
 class _Block(BaseModel):
-    model_config = ConfigDict(extra="forbid", **_STRICT)
+    model_config = ConfigDict(extra="forbid", **STRICT)
     cache_control: dict[str, Any] | None = None  # prompt caching is automatic here: accepted, changes nothing
 
 
@@ -63,7 +63,7 @@ class ToolResultBlock(_Block):
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(extra="forbid", **_STRICT)
+    model_config = ConfigDict(extra="forbid", **STRICT)
 
     def as_template_messages(self) -> list[dict[str, Any]]:
         """OpenAI chat's messages: an assistant turn's text and tool_use as one message with tool_calls (arguments
@@ -109,7 +109,7 @@ def _an_object_schema(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 class ToolDefinition(BaseModel):
-    model_config = ConfigDict(extra="forbid", **_STRICT)
+    model_config = ConfigDict(extra="forbid", **STRICT)
     type: Literal["custom"] | None = None  # server tools (web search, code execution, ...) are refused
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: str | None = None
@@ -122,7 +122,7 @@ class ToolDefinition(BaseModel):
 
 
 class _ToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid", **_STRICT)
+    model_config = ConfigDict(extra="forbid", **STRICT)
     disable_parallel_tool_use: bool = False
 
 
@@ -140,7 +140,7 @@ class ToolChoiceTool(_ToolChoice):
 
 
 class ToolChoiceNone(BaseModel):
-    model_config = ConfigDict(extra="forbid", **_STRICT)
+    model_config = ConfigDict(extra="forbid", **STRICT)
     type: Literal["none"]
 
 
@@ -148,7 +148,7 @@ ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolCho
 
 
 class Metadata(BaseModel):
-    model_config = ConfigDict(extra="ignore", **_STRICT)
+    model_config = ConfigDict(extra="ignore", **STRICT)
     user_id: str | None = None
 
 
@@ -191,7 +191,7 @@ class CountTokensRequest(BaseModel):
             },
             "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}},
         },
-        **_STRICT,
+        **STRICT,
     )
 
     model: str

@@ -10,8 +10,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
+from tokenloop.engine.async_engine import AsyncEngine
 from tokenloop.engine.client import EngineClient
 from tokenloop.engine.lora import LoRARequest
+from tokenloop.explorer.routes import add_explorer_routes, explore_openapi
 from tokenloop.server.anthropic_messages import add_messages_routes, anthropic_error_body
 from tokenloop.server.body_limit import DEFAULT_MAX_BODY_MB, LimitBody
 from tokenloop.server.chat import add_chat_routes
@@ -26,6 +28,7 @@ from tokenloop.server.generation import Generation
 from tokenloop.server.input_work import CountInputWork
 from tokenloop.server.openai_responses import add_responses_routes
 from tokenloop.server.openai_shared import Bounds
+from tokenloop.server.schema_bounds import integer_schemas, token_lists
 from tokenloop.server.tokenize import add_tokenizer_routes
 
 DEFAULT_MAX_N = 128  # OpenAI's own bound on n
@@ -37,15 +40,15 @@ class Health(BaseModel):
 
 
 class _RequireAPIKey:
-    """401 on /v1 routes without 'Authorization: Bearer KEY' or 'x-api-key: KEY' (Anthropic's header). Plain ASGI
-    on purpose: under Starlette's BaseHTTPMiddleware (@app.middleware) Request.is_disconnected() never turns true,
-    so a non-streamed request whose client left would run to its end."""
+    """401 on /v1 and /explore/api routes without 'Authorization: Bearer KEY' or 'x-api-key: KEY' (Anthropic's
+    header). Plain ASGI on purpose: under Starlette's BaseHTTPMiddleware (@app.middleware) Request.is_disconnected()
+    never turns true, so a non-streamed request whose client left would run to its end."""
 
     def __init__(self, app, api_key: str, shapes: ErrorShapes) -> None:
         self.app, self.bearer, self.key, self.shapes = app, f"Bearer {api_key}".encode(), api_key.encode(), shapes
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith(("/v1", "/explore/api")):
             headers = dict(scope["headers"])
             if headers.get(b"authorization") != self.bearer and headers.get(b"x-api-key") != self.key:
                 await self.shapes.response(scope["path"], 401, "invalid or missing API key")(scope, receive, send)
@@ -105,6 +108,8 @@ def build_app(
     add_chat_routes(app, generation, bounds)
     add_responses_routes(app, generation)
     add_messages_routes(app, generation)
+    if isinstance(engine, AsyncEngine):  # the explorer forks and reads one engine's sequences between its steps
+        add_explorer_routes(app, engine)
     return app
 
 
@@ -125,32 +130,18 @@ def _openapi(app: FastAPI, bounds: dict[str, int], max_model_len: int, vocab_siz
         for name in ("CompletionRequest", "ChatCompletionRequest"):
             for field, schema_of_field in components[name]["properties"].items():
                 if field in bounds:
-                    for integer in _integer_schemas(schema_of_field):
+                    for integer in integer_schemas(schema_of_field):
                         integer["maximum"] = bounds[field]
         prompt = components["CompletionRequest"]["properties"]["prompt"]
         token_fields = [prompt, components["DetokenizeRequest"]["properties"]["tokens"]] + [
             components[name]["properties"]["allowed_token_ids"]
             for name in ("CompletionRequest", "ChatCompletionRequest")
         ]
-        for integer in (i for field in token_fields for i in _integer_schemas(field)):
+        for integer in (i for field in token_fields for i in integer_schemas(field)):
             integer["maximum"] = vocab_size - 1
-        for token_list in _token_lists(prompt):
+        for token_list in token_lists(prompt):
             token_list["maxItems"] = max_model_len - 1
+        if "ExploreParams" in components:
+            explore_openapi(schema, vocab_size)
         app.openapi_schema = schema
     return app.openapi_schema
-
-
-def _subschemas(schema: dict, want) -> list[dict]:
-    """The schemas inside a property's schema (itself, its anyOf branches, array items) for which want() holds."""
-    found = [schema] if want(schema) else []
-    for sub in schema.get("anyOf", []) + ([schema["items"]] if "items" in schema else []):
-        found += _subschemas(sub, want)
-    return found
-
-
-def _integer_schemas(schema: dict) -> list[dict]:
-    return _subschemas(schema, lambda s: s.get("type") == "integer")
-
-
-def _token_lists(schema: dict) -> list[dict]:
-    return _subschemas(schema, lambda s: s.get("type") == "array" and s.get("items", {}).get("type") == "integer")

@@ -161,4 +161,11 @@ def install_error_handlers(app: FastAPI, shapes: ErrorShapes) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        return shapes.response(request.url.path, e.status_code, str(e.detail), None, e.headers)
+        headers = e.headers
+        if e.status_code == 405:  # Starlette names the methods of the first route on the path; there may be more
+            path = request.url.path
+            methods = {
+                m for r in app.routes if getattr(r, "methods", None) and r.path_regex.match(path) for m in r.methods
+            }
+            headers = (headers or {}) | {"Allow": ", ".join(sorted(methods))}
+        return shapes.response(request.url.path, e.status_code, str(e.detail), None, headers)

@@ -21,7 +21,7 @@ from tokenloop.tools.calling import Function, ToolCalling
 logger = logging.getLogger(__name__)
 
 # Strict: no coercion of booleans into numbers or numbers into strings; no NaN or infinity.
-_STRICT = ConfigDict(strict=True, allow_inf_nan=False)
+STRICT = ConfigDict(strict=True, allow_inf_nan=False)
 # JSON Schema counts 5.0 as an integer; strict pydantic does not. A whole float is taken as the integer it is.
 _WHOLE = BeforeValidator(lambda v: int(v) if isinstance(v, float) and v.is_integer() else v)
 
@@ -32,6 +32,12 @@ def Int(**bounds) -> Any:
 
 
 TokenId = Int(ge=0)
+# Token ids written as strings (OpenAI's) -> a bias in [-100, 100]. Pydantic writes the key pattern as
+# patternProperties, which alone would let other keys through the schema.
+LogitBias = Annotated[
+    dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(ge=-100, le=100)]],
+    Field(max_length=300, json_schema_extra={"additionalProperties": False}),
+]
 NonEmptyText = Annotated[str, Field(min_length=1)]
 
 # Fields of OpenAI's API (and vLLM's) that change the result and that this server cannot honour (tools: on
@@ -77,7 +83,7 @@ def find_surrogate(value: Any, path: str) -> str | None:
 class _Request(BaseModel):
     # Unknown fields are ignored, as vLLM does (clients send vendor extensions freely), except the known ones
     # in `unsupported` (each API its own table), which would change the result.
-    model_config = ConfigDict(extra="allow", **_STRICT)
+    model_config = ConfigDict(extra="allow", **STRICT)
     unsupported: ClassVar[dict[str, tuple]] = _UNSUPPORTED
 
     @model_validator(mode="before")
@@ -103,7 +109,7 @@ class _Request(BaseModel):
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True, **_STRICT)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, **STRICT)
     name: str | None = None
     schema_: dict[str, Any] | bool = Field(alias="schema")
     strict: bool | None = None
@@ -113,7 +119,7 @@ class JsonSchemaFormat(BaseModel):
 class ResponseFormat(BaseModel):
     """OpenAI's response_format: text (no constraint), any JSON object, or JSON following a schema."""
 
-    model_config = ConfigDict(extra="forbid", **_STRICT)
+    model_config = ConfigDict(extra="forbid", **STRICT)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -122,7 +128,7 @@ class StructuredOutputsBody(BaseModel):
     """vLLM's extra body field structured_outputs: exactly one of its fields (the schema says so)."""
 
     model_config = ConfigDict(
-        extra="forbid", populate_by_name=True, json_schema_extra={"minProperties": 1, "maxProperties": 1}, **_STRICT
+        extra="forbid", populate_by_name=True, json_schema_extra={"minProperties": 1, "maxProperties": 1}, **STRICT
     )
     # Not nullable: a field present is the one set (defaults of None only mark the absent ones).
     json_: dict[str, Any] = Field(None, alias="json")
@@ -135,12 +141,12 @@ class StructuredOutputsBody(BaseModel):
 class SelfConsistencyBody(BaseModel):
     """tokenloop's extension: n samples vote; the reply is the winning sample, with the votes."""
 
-    model_config = ConfigDict(extra="forbid", **_STRICT)
+    model_config = ConfigDict(extra="forbid", **STRICT)
     answer: NonEmptyText | dict[str, Any]  # a regex with one group, or a JSON schema with an "answer" property
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", **_STRICT)
+    model_config = ConfigDict(extra="ignore", **STRICT)
     include_usage: bool = False
 
 
@@ -161,14 +167,7 @@ class _SamplingRequest(_Request):
     # Logits processors (sampling/processors.py); logit_bias's keys are token ids written as strings (OpenAI's).
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    # (pydantic writes the key pattern as patternProperties, which alone would let other keys through the schema)
-    logit_bias: (
-        Annotated[
-            dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(ge=-100, le=100)]],
-            Field(max_length=300, json_schema_extra={"additionalProperties": False}),
-        ]
-        | None
-    ) = None
+    logit_bias: LogitBias | None = None
     repetition_penalty: Annotated[float, Field(gt=0, le=10)] = 1.0  # extension (vLLM)
     min_tokens: Int(ge=0) = 0  # extension (vLLM)
     bad_words: Annotated[list[Annotated[str, Field(pattern=r"\S")]], Field(max_length=64)] | None = (
@@ -327,14 +326,14 @@ class CompletionRequest(_SamplingRequest):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", **_STRICT)
+    model_config = ConfigDict(extra="forbid", **STRICT)
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
     # Other fields (name, tool_calls, tool_call_id, ...) reach the chat template, as transformers passes them.
-    model_config = ConfigDict(extra="allow", **_STRICT)
+    model_config = ConfigDict(extra="allow", **STRICT)
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
@@ -348,7 +347,7 @@ class ChatMessage(BaseModel):
 
 
 class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="ignore", **_STRICT)
+    model_config = ConfigDict(extra="ignore", **STRICT)
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments; none = any object
@@ -356,18 +355,18 @@ class FunctionDefinition(BaseModel):
 
 
 class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid", **_STRICT)
+    model_config = ConfigDict(extra="forbid", **STRICT)
     type: Literal["function"]
     function: FunctionDefinition
 
 
 class FunctionName(BaseModel):
-    model_config = ConfigDict(extra="forbid", **_STRICT)
+    model_config = ConfigDict(extra="forbid", **STRICT)
     name: str
 
 
 class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid", **_STRICT)
+    model_config = ConfigDict(extra="forbid", **STRICT)
     type: Literal["function"]
     function: FunctionName
 

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tokenloop.sampling.params import SEED_MAX, SEED_MIN, SamplingParams
 from tokenloop.sampling.structured import StructuredOutputsParams
-from tokenloop.server.protocol import _STRICT, FunctionDefinition, Int, _Request
+from tokenloop.server.protocol import STRICT, FunctionDefinition, Int, _Request
 from tokenloop.tools.calling import Function, ToolCalling
 
 # Fields of the Responses API that change the result and that this server does not honour: refused unless neutral.
@@ -32,7 +32,7 @@ _UNSUPPORTED: dict[str, tuple] = {
 
 class _Item(BaseModel):
     # Items echoed back from an earlier response carry id, status, annotations, logprobs: ignored.
-    model_config = ConfigDict(extra="ignore", **_STRICT)
+    model_config = ConfigDict(extra="ignore", **STRICT)
 
 
 class TextContent(_Item):
@@ -63,17 +63,17 @@ InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
 
 
 class PlainText(BaseModel):
-    model_config = ConfigDict(extra="forbid", **_STRICT)
+    model_config = ConfigDict(extra="forbid", **STRICT)
     type: Literal["text"]
 
 
 class JsonObject(BaseModel):
-    model_config = ConfigDict(extra="forbid", **_STRICT)
+    model_config = ConfigDict(extra="forbid", **STRICT)
     type: Literal["json_object"]
 
 
 class JsonSchema(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True, **_STRICT)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, **STRICT)
     type: Literal["json_schema"]
     name: str = "response"
     schema_: dict[str, Any] = Field(alias="schema")
@@ -86,7 +86,7 @@ TextFormat = Annotated[PlainText | JsonObject | JsonSchema, Field(discriminator=
 
 
 class TextConfig(BaseModel):
-    model_config = ConfigDict(extra="ignore", **_STRICT)
+    model_config = ConfigDict(extra="ignore", **STRICT)
     format: TextFormat | None = None
     verbosity: Literal["medium"] | None = None  # low or high would change the reply; a small model has no knob
 
@@ -98,7 +98,7 @@ class FunctionTool(FunctionDefinition):
 
 
 class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid", **_STRICT)
+    model_config = ConfigDict(extra="forbid", **STRICT)
     type: Literal["function"]
     name: str
 
