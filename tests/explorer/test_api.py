@@ -6,29 +6,12 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 
-from tests.server.conftest import MODEL_NAME, start_server, stop_server
+from tests.server.conftest import MODEL_NAME
 from tokenloop.sampling.sampler import apply_top_k_top_p
 
 PROMPT = [0, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]  # 19 tokens: one block and 3
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_folder, tmp_path_factory):
-    s = start_server(tiny_model_folder, tmp_path_factory.mktemp("explore") / "server.log", "--kv-cache-gb", "0.01")
-    yield s
-    stop_server(s)
-
-
-@pytest.fixture
-def http(server):
-    """A client; each test's trees are let go after it (trees of one prompt share their blocks by the prefix cache)."""
-    with server.http() as client:
-        yield client
-        for tree in client.get("/explore/api/trees").json()["trees"]:
-            client.delete(f"/explore/api/trees/{tree['id']}")
 
 
 def new_tree(http, **body) -> dict:
@@ -113,6 +96,7 @@ def test_a_branch_shares_the_blocks_before_it_and_copies_the_one_it_diverges_in(
     kv = http.get(f"/explore/api/trees/{tree['id']}/kv").json()
     b0_blocks, b1_blocks = kv["branches"]["b0"]["blocks"], kv["branches"]["b1"]["blocks"]
     index = position // bs
+    assert node(http, tree, f"b1:{position}")["kv"] == {"branch": "b1", "blocks": b1_blocks[: index + 1]}
     assert b1_blocks[:index] == b0_blocks[:index]
     assert all(kv["blocks"][str(b)]["ref_count"] == 2 for b in b0_blocks[:index])
     assert kv["cow"] == [{"branch": "b1", "index": index, "parent_block": b0_blocks[index], "block": b1_blocks[index]}]

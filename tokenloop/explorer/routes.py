@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mimetypes
 import random
+from collections.abc import Awaitable, Callable
 from importlib.resources import files
 from typing import Any
 
@@ -89,6 +90,15 @@ def add_explorer_routes(app: FastAPI, engine: AsyncEngine, limits: StoreLimits =
     def tree_out(tree: ExploreTree) -> dict[str, Any]:
         return tree_json(explorer, tree, block_size)
 
+    async def grow(tree_id: str, new_branches: int, op: Callable[[ExploreTree], Awaitable[object]]) -> dict[str, Any]:
+        """Run `op` on a tree that may take `new_branches` more (one operation on a tree at a time)."""
+        with _Errors():
+            tree = store.get(tree_id)
+            async with store.lock(tree_id):
+                await store.make_room(tree, new_branches)
+                await op(tree)
+            return tree_out(tree)
+
     @app.post(f"{API}/trees", response_model=TreeOut, responses=ERROR_RESPONSES)
     async def new_tree(body: NewTree) -> dict[str, Any]:
         """Generate from a prompt, tracing each step: the tree's first branch."""
@@ -132,11 +142,17 @@ def add_explorer_routes(app: FastAPI, engine: AsyncEngine, limits: StoreLimits =
 
     @app.get(f"{API}/trees/{{tree_id}}/nodes/{{branch_id}}/{{position}}", responses=ERROR_RESPONSES)
     async def get_node(tree_id: str, branch_id: str, position: int) -> dict[str, Any]:
-        """A generated token: its stages in the engine's order, each with its top candidates, and how it was chosen."""
+        """A generated token: its stages in the engine's order, each with its top candidates, how it was chosen, and
+        the KV blocks its sequence holds up to it (the last: the block its K/V go to)."""
         with _Errors():
             tree = store.get(tree_id)
             branch, _, _ = explorer.node(tree, branch_id, position)
-            return await engine.input_threads.run(node_json, explorer, tree, branch, position)
+            detail = await engine.input_threads.run(node_json, explorer, tree, branch, position)
+            blocks = None
+            if branch.request_id is not None:
+                table = await engine.call(lambda e: list(e.retained(branch.request_id).block_table))
+                blocks = table[: position // block_size + 1]
+            return detail | {"kv": {"branch": branch.id, "blocks": blocks}}
 
     @app.post(f"{API}/trees/{{tree_id}}/nodes/{{branch_id}}/{{position}}/reshape", responses=ERROR_RESPONSES)
     async def reshape(tree_id: str, branch_id: str, position: int, body: Reshape) -> dict[str, Any]:
@@ -155,24 +171,16 @@ def add_explorer_routes(app: FastAPI, engine: AsyncEngine, limits: StoreLimits =
     )
     async def branch(tree_id: str, branch_id: str, position: int, body: BranchFrom) -> dict[str, Any]:
         """Continue from the node with another token picked there, sharing the blocks before it."""
-        with _Errors():
-            tree = store.get(tree_id)
-            async with store.lock(tree_id):
-                await store.make_room(tree)
-                await explorer.branch_from(tree, branch_id, position, body.token_id, body.max_tokens)
-            return tree_out(tree)
+        return await grow(
+            tree_id, 1, lambda tree: explorer.branch_from(tree, branch_id, position, body.token_id, body.max_tokens)
+        )
 
     @app.post(
         f"{API}/trees/{{tree_id}}/branches/{{branch_id}}/continue", response_model=TreeOut, responses=ERROR_RESPONSES
     )
     async def continue_branch(tree_id: str, branch_id: str, body: Continue) -> dict[str, Any]:
         """Grow the branch by up to max_tokens (1: one step)."""
-        with _Errors():
-            tree = store.get(tree_id)
-            async with store.lock(tree_id):
-                await store.make_room(tree, new_branches=0)
-                await explorer.continue_branch(tree, branch_id, body.max_tokens)
-            return tree_out(tree)
+        return await grow(tree_id, 0, lambda tree: explorer.continue_branch(tree, branch_id, body.max_tokens))
 
     @app.delete(f"{API}/trees/{{tree_id}}/branches/{{branch_id}}", responses=ERROR_RESPONSES)
     async def delete_branch(tree_id: str, branch_id: str) -> Freed:
@@ -190,22 +198,14 @@ def add_explorer_routes(app: FastAPI, engine: AsyncEngine, limits: StoreLimits =
     )
     async def sample(tree_id: str, branch_id: str, position: int, body: SampleVote) -> dict[str, Any]:
         """Self-consistency from the node: n samples on, their answers and the vote."""
-        with _Errors():
-            tree = store.get(tree_id)
-            async with store.lock(tree_id):
-                await store.make_room(tree, new_branches=body.n)
-                await explorer.vote(tree, branch_id, position, body.n, body.max_tokens, body.answer)
-            return tree_out(tree)
+        return await grow(
+            tree_id, body.n, lambda tree: explorer.vote(tree, branch_id, position, body.n, body.max_tokens, body.answer)
+        )
 
     @app.post(f"{API}/trees/{{tree_id}}/beam", response_model=TreeOut, responses=ERROR_RESPONSES)
     async def beam(tree_id: str, body: Beam) -> dict[str, Any]:
         """Beam search from the prompt: its beams as scored branches."""
-        with _Errors():
-            tree = store.get(tree_id)
-            async with store.lock(tree_id):
-                await store.make_room(tree, new_branches=body.beam_width)
-                await explorer.beam(tree, body.beam_width, body.max_tokens)
-            return tree_out(tree)
+        return await grow(tree_id, body.beam_width, lambda tree: explorer.beam(tree, body.beam_width, body.max_tokens))
 
     @app.get(f"{API}/trees/{{tree_id}}/kv", responses=ERROR_RESPONSES)
     async def kv(tree_id: str) -> dict[str, Any]:
