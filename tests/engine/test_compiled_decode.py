@@ -253,10 +253,16 @@ def test_a_first_start_runs_eager_while_one_child_compiles_then_switches_between
             f"""
 from tokenloop import LLM
 llm = LLM({str(tiny_model_folder)!r}, dtype="float32", device="cpu", kv_cache_gb=0.01, compile=True)
-llm.llm_engine.runner.forward.worker.wait()
+worker = llm.llm_engine.runner.forward.worker
+print("started", worker is not None, flush=True)
+worker.wait()
 """,
-        ]
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
+    # This process starts once the other has: on a busy machine it could otherwise find the package built already.
+    assert other.stdout.readline().split() == ["started", "True"]
     llm = LLM(tiny_model_folder, dtype="float32", device="cpu", kv_cache_gb=0.01, compile=True)
     forward = llm.llm_engine.runner.forward
     assert forward.worker is not None and forward.compiled is None  # eager at once, the build in a child
