@@ -37,6 +37,7 @@ def test_the_table_prints_tokenloop_over_peer_ratios():
         batch_tps={"8": 80.0},
         peak_rss_mib=100.0,
         weight_bytes=10**8,
+        sampled_batch_tps=72.0,
     )
     peer = EngineResult(
         "llama-bench", decode_tps=10.0, prefill_tps=100.0, ttft_ms=20.0, peak_rss_mib=50.0, weight_bytes=10**8
@@ -47,6 +48,9 @@ def test_the_table_prints_tokenloop_over_peer_ratios():
     batched = next(line for line in table.splitlines() if line.startswith("8 concurrent"))
     assert batched.split()[-2:] == ["10.0", "8.00x"]  # against the peer's single stream: it serves one at a time
     assert "decode GB/s (memory copy: 20.0 GB/s)" in table
+    sampled = next(line for line in table.splitlines() if line.startswith("8 concurrent, T 0.8 top-p 0.95, tokens/s"))
+    assert sampled.split()[-2:] == ["10.0", "7.20x"]
+    assert "sampled (T 0.8 top-p 0.95) / greedy at 8 concurrent: 0.90x" in table
 
 
 def test_runs_go_in_rounds_of_one_run_per_engine(monkeypatch):

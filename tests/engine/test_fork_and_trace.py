@@ -9,7 +9,7 @@ from tokenloop import SamplingParams
 from tokenloop.engine.requests import Fork
 from tokenloop.engine.trace import redraw
 from tokenloop.sampling.processors import LogitControls
-from tokenloop.sampling.stages import distribution_stages
+from tokenloop.sampling.stages import distribution_stages, final_probs
 
 ENGINE = {"kv_cache_gb": 0.02, "enable_prefix_caching": True}
 
@@ -78,7 +78,7 @@ def test_a_traced_step_keeps_the_raw_logits_its_token_came_from_and_the_draw(tin
         if greedy:
             assert int(stages[-1].logits.argmax()) == chosen
         else:
-            probs = stages[-1].logits.exp()
+            probs = final_probs(stages)
             assert int((probs / redraw(step, probs)).argmax()) == chosen
     engine.release_request(rid)
 

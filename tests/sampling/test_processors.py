@@ -120,3 +120,52 @@ def test_masking_leaves_the_input_untouched():
     apply_top_k_top_p(logits, torch.tensor([3, 5]), torch.tensor([0.5, 0.9]))
     apply_min_p(logits, torch.tensor([0.5, 0.1]))
     assert torch.equal(logits, before)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_top_k_and_top_p_on_a_rows_few_largest_logits_equal_a_full_sort(data):
+    """A row is settled on its CANDIDATES largest logits when they hold its top k and its nucleus, else on its
+    whole sorted row: the same masks (ties across the candidates' edge, k beyond them, p = 1 beside top-p rows)."""
+    import tokenloop.sampling.sampler as sampler
+
+    logits = data.draw(logits_rows(max_vocab=16))
+    vocab = logits.shape[1]
+    ks = data.draw(per_row(logits, st.integers(1, vocab + 2)))
+    ps = data.draw(per_row(logits, st.one_of(st.just(1.0), st.floats(0.01, 1.0))))
+    k, p = torch.tensor(ks).clamp(max=vocab), torch.tensor(ps)
+    use_k, use_p = data.draw(st.booleans()), data.draw(st.booleans())
+    k, p = (k if use_k else None), (p if use_p else None)
+    full, original = None, sampler.CANDIDATES
+    try:
+        sampler.CANDIDATES = ()
+        full = apply_top_k_top_p(logits, k, p)
+        sampler.CANDIDATES = data.draw(st.sampled_from([(1,), (2, 5), (3,), (4, 8)]))
+        partial = apply_top_k_top_p(logits, k, p)
+    finally:
+        sampler.CANDIDATES = original
+    assert torch.equal(partial, full)
+
+
+def test_a_peaked_row_of_a_real_vocabulary_is_settled_without_a_sort(monkeypatch):
+    import tokenloop.sampling.sampler as sampler
+
+    torch.manual_seed(0)
+    logits = torch.randn(8, 49152) * 2
+    logits[:, :5] += 16.0  # most of the mass on a few tokens, as a language model's rows
+    k, p = torch.tensor([40, 49152, 49152, 3, 100, 49152, 3000, 49152]), torch.full((8,), 0.95)
+    expected = apply_top_k_top_p(logits, k, p)
+    sorts = []  # sorts of whole rows
+    argsort = torch.Tensor.argsort
+    monkeypatch.setattr(
+        torch.Tensor,
+        "argsort",
+        lambda self, *a, **kw: (
+            sorts.append(len(self)) or argsort(self, *a, **kw) if self.shape[-1] == 49152 else argsort(self, *a, **kw)
+        ),
+    )
+    got = apply_top_k_top_p(logits, k, p)
+    assert torch.equal(got, expected)
+    assert sorts == [1]  # the row whose k (3,000) is beyond the candidates, alone
+    monkeypatch.setattr(sampler, "CANDIDATES", ())
+    assert torch.equal(apply_top_k_top_p(logits, k, p), expected)

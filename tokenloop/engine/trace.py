@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tokenloop.sampling.sampler import exponential_race
+
 if TYPE_CHECKING:
     from tokenloop.engine.sequence import Sequence
 
@@ -57,9 +59,10 @@ def record_steps(
 
 
 def redraw(step: TraceStep, probs: torch.Tensor) -> torch.Tensor:
-    """The exponentials q [V] of a seeded step's draw (sampling/sampler.py random_sample's exponential race, whose
-    winner is argmax(probs / q)), drawn again from the generator state the step kept."""
+    """[V]: the exponentials q of a seeded step's draw (sampling/sampler.py's exponential race, whose winner is
+    argmax(probs / q) over the tokens of nonzero probability), drawn again from the generator state the step kept;
+    inf for the tokens that did not race."""
     generator = torch.Generator(probs.device)
     generator.set_state(step.rng_state)
-    q = torch.empty_like(probs).exponential_(generator=generator)
-    return q.clamp_(min=torch.finfo(q.dtype).tiny)
+    _, q, racing = exponential_race(probs, generator)
+    return torch.full_like(probs, float("inf")).index_copy_(0, racing, q)

@@ -12,7 +12,7 @@ import torch
 from tokenloop.engine.trace import TraceStep, redraw
 from tokenloop.sampling.params import SamplingParams
 from tokenloop.sampling.processors import LogitControls
-from tokenloop.sampling.stages import Stage, distribution_stages
+from tokenloop.sampling.stages import Stage, distribution_stages, final_probs
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,11 +34,6 @@ def stages_of(step: TraceStep, ctx: StepContext, encode, eos_token_ids, grammars
         grammars() if ctx.params.structured_outputs is not None else None,
     )
     return distribution_stages(step.raw, ctx.params, ctx.history, controls)
-
-
-def final_probs(stages: list[Stage]) -> torch.Tensor:
-    """The distribution the token is chosen from: the last stage's softmax (greedy: its argmax is the choice)."""
-    return stages[-1].logits.softmax(dim=-1)
 
 
 def entropy(logits: torch.Tensor) -> float:

@@ -96,28 +96,88 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
-    """Mask (to -inf) tokens outside each row's top k, then outside the top-p nucleus of what is left.
+# Partial selections tried, widest last, before a row falls back to sorting its whole vocabulary: most nuclei at
+# top-p 0.95 end within a few dozen tokens, nearly all within a few hundred, and topk(k) of 49k logits costs a
+# small fraction of a sort, growing with k.
+CANDIDATES = (32, 256, 2048)
 
-    top-k keeps exactly k tokens; among equal logits the lower token id wins (as torch.argmax).
-    top-p keeps the smallest prefix of the descending-sorted probabilities (renormalised after top-k)
-    whose mass reaches p, and always the top token. One stable sort per batch serves both.
-    """
+
+def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top k, then outside the top-p nucleus of what is left (the rule:
+    top_k_top_p; a token whose probability underflows to 0 cannot be drawn and counts as removed)."""
     if k is None and p is None:
         return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [B, V] each
+    return logits.masked_fill(top_k_top_p(logits, k, p) == 0, float("-inf"))
+
+
+def top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+    """Each row's distribution [B, V] after top-k, then top-p (zeros where removed).
+
+    top-k keeps exactly k tokens; among equal logits the lower token id wins (as torch.argmax).
+    top-p keeps the shortest prefix of the descending order (probabilities renormalised after top-k) whose mass
+    reaches p: a token is dropped once the mass before it is at least p; the top token always stays.
+    The probabilities are the row's softmax, renormalised over what is kept. Each row is decided on its
+    `CANDIDATES` largest logits when they settle it (its k is within them and its nucleus ends within them), else on
+    its whole sorted row: the same rule either way, and a row's path depends on its own logits only.
+    """
+    probs = logits.softmax(dim=-1)
+    rows, vocab = logits.shape
+    active = torch.zeros(rows, dtype=torch.bool, device=logits.device)
     if k is not None:
-        position = torch.arange(logits.shape[-1], device=logits.device)  # [V]
-        sorted_logits = sorted_logits.masked_fill(position >= k.unsqueeze(1), float("-inf"))
+        active |= k < vocab
     if p is not None:
-        probs = sorted_logits.softmax(dim=-1)
-        # Mass from each position to the end; a token is dropped when the tokens before it already reach p,
-        # i.e. when its tail mass is <= 1 - p. Summing the tail (not the head) makes p = 1 drop exactly nothing.
-        tail_mass = probs.flip(-1).cumsum(dim=-1).flip(-1)
-        drop = tail_mass <= 1.0 - p.unsqueeze(1)
+        active |= p < 1.0
+    out = torch.zeros_like(probs)
+    if not active.all():
+        out[~active] = probs[~active]
+    pending = active.nonzero().squeeze(1)
+    for width in (*(c for c in CANDIDATES if c < vocab), vocab):
+        if len(pending) == 0:
+            break
+        whole = len(pending) == rows
+        sub = (lambda t: t) if whole else (lambda t: t[pending] if t is not None else None)
+        row_probs, index, settled = _nucleus(sub(logits), sub(probs), sub(k), sub(p), width)
+        if whole and settled.all():
+            return out.scatter_(-1, index, row_probs)
+        out[pending[settled].unsqueeze(1), index[settled]] = row_probs[settled]
+        pending = pending[~settled]
+    return out
+
+
+def _nucleus(
+    logits: torch.Tensor, probs: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None, width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows' `width` most likely tokens in the stable descending order of their logits: their final
+    probabilities (0 where top-k or top-p drop them), their ids, and which rows they settle (all, at full width)."""
+    rows, vocab = logits.shape
+    if width < vocab:
+        values, index = logits.topk(width + 1, dim=-1)  # [R, W + 1]; ties in no particular order
+        # A tie across the edge (the first token left out equal to the last one taken) could leave a lower id out.
+        settled = values[:, width - 1] != values[:, width]
+        values, index = values[:, :width], index[:, :width]
+        by_id = index.argsort(dim=-1)  # equal logits: the lower id first, as a stable sort of the row puts them
+        values, index = values.gather(-1, by_id), index.gather(-1, by_id)
+        index = index.gather(-1, values.argsort(dim=-1, descending=True, stable=True))
+    else:
+        index = logits.argsort(dim=-1, descending=True, stable=True)
+        settled = torch.ones(rows, dtype=torch.bool, device=logits.device)
+    mass = probs.gather(-1, index)  # [R, W]
+    position = torch.arange(width, device=logits.device)
+    k_on = k < vocab if k is not None else torch.zeros(rows, dtype=torch.bool, device=logits.device)
+    within_k = k_on & (k <= width) if k is not None else k_on
+    if k is not None:
+        mass = mass.masked_fill(position >= k.unsqueeze(1), 0.0)
+    reached = torch.zeros(rows, dtype=torch.bool, device=logits.device)
+    if p is not None:
+        # Renormalised over what top-k left: known from the candidates only when k is among them.
+        total = torch.where(within_k, mass.sum(dim=-1), 1.0).unsqueeze(1)
+        drop = (mass.cumsum(dim=-1) - mass >= p.unsqueeze(1) * total) & (p.unsqueeze(1) < 1.0)
         drop[:, 0] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+        mass = mass.masked_fill(drop, 0.0)
+        reached = drop.any(dim=-1)  # the nucleus ended within the candidates
+    if width < vocab:
+        settled &= within_k | (~k_on & reached)
+    return mass / mass.sum(dim=-1, keepdim=True), index, settled
 
 
 ARGMAX_BLOCK = 1024
@@ -148,17 +208,33 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 def random_sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """Sample one token per row by the exponential race: argmax(probs / q), q ~ Exp(1), same law as multinomial.
 
-    A row with its own generator draws its q row alone, so its tokens do not depend on the batch around it.
+    Each row races its tokens of nonzero probability only (top-k, top-p and min-p leave few), in ascending id
+    order, drawing their q from its own generator (or the default one): its tokens do not depend on the batch.
     """
-    q = torch.empty_like(probs)
-    if any(g is None for g in generators):
-        q.exponential_()
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            q[row].exponential_(generator=generator)
-    # Some backends' exponential_ can return 0; 0 / 0 = NaN would win the argmax on a masked token.
+    support = probs.nonzero()  # [N, 2]: row by row, ids ascending
+    counts = torch.bincount(support[:, 0], minlength=probs.shape[0]).tolist()
+    return torch.stack(
+        [
+            _race(row, racing, generator)[0]
+            for row, racing, generator in zip(probs, support[:, 1].split(counts), generators)
+        ]
+    )
+
+
+def exponential_race(
+    probs: torch.Tensor, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One row [V]: (the winner, the q of each racing token, those tokens' ids in ascending order)."""
+    racing = probs.nonzero().squeeze(1)
+    winner, q = _race(probs, racing, generator)
+    return winner, q, racing
+
+
+def _race(probs: torch.Tensor, racing: torch.Tensor, generator: torch.Generator | None):
+    q = torch.empty(len(racing), dtype=probs.dtype, device=probs.device).exponential_(generator=generator)
+    # Some backends' exponential_ can return 0; 0 / 0 = NaN would win the argmax.
     q.clamp_(min=torch.finfo(q.dtype).tiny)
-    return argmax(probs / q)
+    return racing[(probs[racing] / q).argmax()], q
 
 
 class Sampler(torch.nn.Module):
@@ -196,9 +272,10 @@ class Sampler(torch.nn.Module):
         scaled = logits / temperature.unsqueeze(1)
         if batch.any_min_p:
             scaled = apply_min_p(scaled, batch.min_p)
-        scaled = apply_top_k_top_p(
-            scaled, batch.top_k if batch.any_top_k else None, batch.top_p if batch.any_top_p else None
-        )
+        if batch.any_top_k or batch.any_top_p:
+            return top_k_top_p(
+                scaled, batch.top_k if batch.any_top_k else None, batch.top_p if batch.any_top_p else None
+            )
         return scaled.softmax(dim=-1)
 
 
