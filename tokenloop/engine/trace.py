@@ -64,5 +64,5 @@ def redraw(step: TraceStep, probs: torch.Tensor) -> torch.Tensor:
     inf for the tokens that did not race."""
     generator = torch.Generator(probs.device)
     generator.set_state(step.rng_state)
-    _, q, racing = exponential_race(probs, generator)
-    return torch.full_like(probs, float("inf")).index_copy_(0, racing, q)
+    _, support, q = exponential_race(probs.unsqueeze(0), [generator])
+    return torch.full_like(probs, float("inf")).index_copy_(0, support[:, 1], q)

@@ -206,35 +206,33 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def random_sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """Sample one token per row by the exponential race: argmax(probs / q), q ~ Exp(1), same law as multinomial.
-
-    Each row races its tokens of nonzero probability only (top-k, top-p and min-p leave few), in ascending id
-    order, drawing their q from its own generator (or the default one): its tokens do not depend on the batch.
-    """
-    support = probs.nonzero()  # [N, 2]: row by row, ids ascending
-    counts = torch.bincount(support[:, 0], minlength=probs.shape[0]).tolist()
-    return torch.stack(
-        [
-            _race(row, racing, generator)[0]
-            for row, racing, generator in zip(probs, support[:, 1].split(counts), generators)
-        ]
-    )
+    """Sample one token per row by the exponential race: argmax(probs / q), q ~ Exp(1), same law as multinomial
+    (exponential_race)."""
+    return exponential_race(probs, generators)[0]
 
 
 def exponential_race(
-    probs: torch.Tensor, generator: torch.Generator | None
+    probs: torch.Tensor, generators: list[torch.Generator | None]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One row [V]: (the winner, the q of each racing token, those tokens' ids in ascending order)."""
-    racing = probs.nonzero().squeeze(1)
-    winner, q = _race(probs, racing, generator)
-    return winner, q, racing
-
-
-def _race(probs: torch.Tensor, racing: torch.Tensor, generator: torch.Generator | None):
-    q = torch.empty(len(racing), dtype=probs.dtype, device=probs.device).exponential_(generator=generator)
-    # Some backends' exponential_ can return 0; 0 / 0 = NaN would win the argmax.
-    q.clamp_(min=torch.finfo(q.dtype).tiny)
-    return racing[(probs[racing] / q).argmax()], q
+    """Rows [B, V] race their tokens of nonzero probability only (top-k, top-p and min-p leave few), in ascending
+    id order, each drawing its q from its own generator (or the default one): a row's tokens do not depend on the
+    batch. Returns the winners [B], and the racing tokens as (row, id) pairs [N, 2] with their q [N]."""
+    support = probs.nonzero()  # [N, 2]: row by row, ids ascending
+    rows, ids = support[:, 0], support[:, 1]
+    q = torch.empty(len(ids), dtype=probs.dtype, device=probs.device)
+    start = 0
+    for count, generator in zip(torch.bincount(rows, minlength=probs.shape[0]).tolist(), generators):
+        q[start : start + count].exponential_(generator=generator)
+        start += count
+    # Some backends' exponential_ can return 0; 0 / 0 = NaN would win.
+    keys = probs[rows, ids] / q.clamp_(min=torch.finfo(q.dtype).tiny)
+    # Each row's largest key, the first (lowest id) of equal ones, as argmax takes it.
+    best = torch.zeros(probs.shape[0], dtype=keys.dtype, device=keys.device).scatter_reduce_(0, rows, keys, "amax")
+    position = torch.arange(len(ids), device=ids.device)
+    first = torch.full((probs.shape[0],), len(ids), device=ids.device).scatter_reduce_(
+        0, rows, torch.where(keys == best[rows], position, len(ids)), "amin"
+    )
+    return ids[first], support, q
 
 
 class Sampler(torch.nn.Module):
