@@ -37,7 +37,7 @@ def stages_of(step: TraceStep, ctx: StepContext, encode, eos_token_ids, grammars
 
 
 def entropy(logits: torch.Tensor) -> float:
-    logp = logits.log_softmax(dim=-1)
+    logp = logits.double().log_softmax(dim=-1)  # summed over a vocabulary: float32 would drift
     p = logp.exp()
     return float(-(p * logp.nan_to_num(neginf=0.0)).sum())
 
@@ -67,7 +67,7 @@ def summarize(stages: list[Stage], top_n: int, chosen: int) -> tuple[list[int], 
     for stage in stages:
         logits = stage.logits
         finite = torch.isfinite(logits)
-        probs = logits.softmax(dim=-1)
+        probs = logits.double().softmax(dim=-1)  # masses summed over up to 262k tokens: float32 drifts past 1
         removed = 0.0 if previous is None else float(previous[0][previous[1] & ~finite].sum())
         chosen_logits = logits[index].tolist()
         out.append(
