@@ -71,6 +71,7 @@ class Request:
         self.paused = False  # out of the batches until its reader catches up (LLMEngine.pause_request)
         # Where its output starts for the logits processors (None: after its prompt); a Fork may set it earlier.
         self.output_start: int | None = None
+        self.retain = False  # n = 1: once finished, its sequence keeps its blocks for forks, until released
 
     @property
     def finished(self) -> bool:
@@ -93,6 +94,8 @@ class Request:
                 break
 
     def after_step(self, engine: Engine, out: OutputProcessor) -> RequestOutput | None:
+        if self.retain and self.finished:
+            engine.keep(self.request_id, self.completions[0].seq)
         return out.make_output(self)
 
 
@@ -122,15 +125,16 @@ class SamplingRequest(Request):
 
 
 class RetainedRequest(Request):
+    def __init__(
+        self, request_id: str, processed: ProcessedPrompt, params: SamplingParams, lora: LoRASlot | None = None
+    ) -> None:
+        super().__init__(request_id, processed, params, lora)
+        self.retain = True
+
     def start(self, engine: Engine) -> None:
         seq = engine.new_completion(self).seq
         seq.keep_blocks = True
         engine.scheduler.add(seq)
-
-    def after_step(self, engine: Engine, out: OutputProcessor) -> RequestOutput | None:
-        if self.finished:
-            engine.keep(self.request_id, self.completions[0].seq)
-        return super().after_step(engine, out)
 
 
 class ForkedRequest(SamplingRequest):
@@ -162,11 +166,6 @@ class ForkedRequest(SamplingRequest):
         # Its last prompt token is computed again whatever it shares: its logits are what it samples from.
         shared = min(self.parent.num_computed_tokens, self.at, seq.num_tokens - 1)
         engine.scheduler.fork(self.parent, seq, shared)
-
-    def after_step(self, engine: Engine, out: OutputProcessor) -> RequestOutput | None:
-        if self.retain and self.finished:
-            engine.keep(self.request_id, self.completions[0].seq)
-        return super().after_step(engine, out)
 
 
 class BeamRequest(Request):
