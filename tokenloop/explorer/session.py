@@ -95,24 +95,54 @@ class Explorer:
         output_start = len(tree.prompt_token_ids) if fork_of is not None else len(prompt)
         completion = final.outputs[0]
         branch.finish_reason = completion.finish_reason
+        start = branch.end
+        steps = [trace.get(start + i) for i in range(len(completion.token_ids))]
+        stats = await self.engine.input_threads.run(
+            self._stats,
+            tree,
+            prompt + completion.token_ids,
+            start,
+            list(zip(completion.token_ids, steps)),
+            output_start,
+        )
         params = self.params_of(tree)
-        for token_id in completion.token_ids:
-            step = trace.get(branch.end)
-            self._append(tree, branch, token_id, step, how_chosen(step, params, forced=False), output_start)
+        for token_id, step, numbers in zip(completion.token_ids, steps, stats):
+            self._append(branch, token_id, step, how_chosen(step, params, forced=False), output_start, numbers)
         self._mark_drafts(branch)
 
+    def _stats(
+        self,
+        tree: ExploreTree,
+        sequence: list[int],
+        start: int,
+        tokens: list[tuple[int, TraceStep | None]],
+        output_start: int,
+    ) -> list[tuple[float | None, float | None, int | None]]:
+        """(p, entropy, rank) of each (token, its step) from position `start` of `sequence`, from the step's stages
+        (None for a step the engine kept no record of). Vocabulary-wide work: run on an input thread."""
+        params = self.params_of(tree)
+        return [
+            token_stats(self.stages(step, StepContext(sequence[: start + i], params, output_start)), token_id)
+            if step is not None
+            else (None, None, None)
+            for i, (token_id, step) in enumerate(tokens)
+        ]
+
+    @staticmethod
     def _append(
-        self, tree: ExploreTree, branch: Branch, token_id: int, step: TraceStep | None, how: str, output_start: int
+        branch: Branch,
+        token_id: int,
+        step: TraceStep | None,
+        how: str,
+        output_start: int,
+        stats: tuple[float | None, float | None, int | None],
     ) -> None:
-        """A token of `branch`, with its step's record; its probability, entropy and rank from the step's stages."""
+        """A token of `branch`, with its step's record and its probability, entropy and rank."""
         branch.token_ids.append(token_id)
         branch.output_start.append(output_start)
         branch.steps.append(step)
         branch.spec.append(None)
         branch.how.append(how)
-        stats = (None, None, None)
-        if step is not None:
-            stats = token_stats(self.stages(step, self.context(tree, branch, len(branch.token_ids) - 1)), token_id)
         branch.p.append(stats[0]), branch.entropy.append(stats[1]), branch.rank.append(stats[2])
 
     def _mark_drafts(self, branch: Branch) -> None:
@@ -159,11 +189,14 @@ class Explorer:
             matcher.sync(ctx.history[ctx.num_prompt_tokens :])
             if not matcher.allowed()[token_id]:
                 raise RequestError(f"token_id {token_id} is not allowed by the grammar at this step")
-        prefix = tree.sequence(branch)[:position] + [token_id]
-        child = tree.new_branch(branch.id, position, "branch")
-        child.forced_token = token_id
+        prefix = ctx.history + [token_id]
         # The same prefix, so the same distribution as the parent's token there: another pick from it.
-        self._append(tree, child, token_id, owner.steps[index], "forced", owner.output_start[index])
+        step, output_start = owner.steps[index], owner.output_start[index]
+        (stats,) = await self.engine.input_threads.run(
+            self._stats, tree, prefix, position, [(token_id, step)], output_start
+        )
+        child = tree.new_branch(branch.id, position, "branch")
+        self._append(child, token_id, step, "forced", output_start, stats)
         fork_of = Fork(branch.request_id, position, True) if branch.request_id is not None else None
         await self.run_segment(tree, child, prefix, max_tokens, fork_of, seed)
         return child
@@ -229,8 +262,8 @@ class Explorer:
         for completion in final.outputs:
             b = tree.new_branch(None, len(tree.prompt_token_ids), "beam")
             b.score, b.finish_reason = completion.cumulative_logprob, completion.finish_reason
-            for token_id in completion.token_ids:
-                self._append(tree, b, token_id, None, "beam", len(tree.prompt_token_ids))
+            for token_id in completion.token_ids:  # the search kept no record of its steps
+                self._append(b, token_id, None, "beam", len(tree.prompt_token_ids), (None, None, None))
             beams.append(b)
         tree.beam = {"beam_width": beam_width, "max_tokens": max_tokens}
         return beams

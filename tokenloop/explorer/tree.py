@@ -44,7 +44,6 @@ class Branch:
     score: float | None = None  # a beam's cumulative logprob
     answer: str | None = None  # a vote sample's answer
     finish_reason: str | None = None
-    forced_token: int | None = None  # kind "branch": the picked first token
 
     @property
     def end(self) -> int:
