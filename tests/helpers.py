@@ -42,7 +42,7 @@ def engine_args_for(model: str | os.PathLike | None, kv_blocks: int | None = Non
         if "kv_cache_gb" in engine_args:
             raise TypeError("kv_blocks or kv_cache_gb, not both")
         config = EngineConfig(model=None if model is None else os.fspath(model), **args)
-        block_bytes = kv_bytes_per_block(model_config(model), config.block_size, config.kv_cache_dtype)
+        block_bytes = kv_bytes_per_block(model_config(model), config.block_size, config.kv_dtype)
         args["kv_cache_gb"] = (kv_blocks + 0.5) * block_bytes / 2**30
     return args
 

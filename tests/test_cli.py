@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import re
 
+import pytest
+
 from tokenloop.cli import main
 
 
@@ -59,12 +61,15 @@ def test_models_lists_the_default_and_gemma3(capsys):
     assert "smollm2-135m-instruct (default)" in out and "gemma3-270m\n  Gemma 3 270M" in out
 
 
-def test_perplexity_prints_the_score_of_a_file(tiny_model_folder, tmp_path, capsys):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_perplexity_prints_the_score_of_a_file(tiny_model_folder, tmp_path, capsys, kv_cache_dtype):
     text = tmp_path / "text.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 8)
-    assert main(["perplexity", str(text), "--model", str(tiny_model_folder), "--window", "32"]) == 0
+    args = ["perplexity", str(text), "--model", str(tiny_model_folder), "--window", "32"]
+    assert main([*args, "--kv-cache-dtype", kv_cache_dtype]) == 0
     out = capsys.readouterr().out
-    assert re.fullmatch(r"perplexity \d+\.\d{3} over \d+ tokens \(window 32, dtype auto\) in \d+\.\d s\n", out)
+    settings = rf"window 32, dtype auto, KV cache {kv_cache_dtype}"
+    assert re.fullmatch(rf"perplexity \d+\.\d{{3}} over \d+ tokens \({settings}\) in \d+\.\d s\n", out)
 
 
 def test_perplexity_of_a_missing_file_is_a_clean_error(tmp_path, capsys):

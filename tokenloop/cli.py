@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from tokenloop.bench import frontend as frontend_bench
+from tokenloop.bench import kv_cache as kv_bench
 from tokenloop.bench import offline as offline_bench
 from tokenloop.bench import pd as pd_bench
 from tokenloop.bench import route as route_bench
@@ -57,6 +58,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--stats", action="store_true", help="print prompt and decode tokens/s")
+    _add_kv_cache_dtype_arg(p)
     _add_threads_arg(p)
     _add_compile_arg(p)
     _add_speculative_arg(p)
@@ -85,6 +87,17 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"a JSON object is needed, got {type(value).__name__}")
     return value
+
+
+def _add_kv_cache_dtype_arg(p: argparse.ArgumentParser) -> None:
+    from tokenloop.engine.config import KV_CACHE_DTYPES
+
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="auto: 16 bits on the fast path, the model's dtype otherwise; int8: twice the tokens (default auto)",
+    )
 
 
 def _add_threads_arg(p: argparse.ArgumentParser) -> None:
@@ -144,6 +157,7 @@ def _llm(args, compile: bool):
     return LLM(
         args.model,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         compile=compile,
         threads=args.threads,
@@ -248,7 +262,7 @@ def cmd_perplexity(args) -> int:
     seconds = time.perf_counter() - start
     print(
         f"perplexity {result.perplexity:.3f} over {result.num_scored_tokens} tokens "
-        f"(window {args.window}, dtype {args.dtype}) in {seconds:.1f} s"
+        f"(window {args.window}, dtype {args.dtype}, KV cache {args.kv_cache_dtype}) in {seconds:.1f} s"
     )
     return 0
 
@@ -272,6 +286,7 @@ def _engine_config(args, **more):
         dtype=args.dtype,
         device=args.device,
         kv_cache_gb=args.kv_cache_gb,
+        kv_cache_dtype=args.kv_cache_dtype,
         compile=args.compile,
         threads=args.threads,
         speculative_config=args.speculative_config,
@@ -421,6 +436,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default=None)
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for the paged KV cache")
+    _add_kv_cache_dtype_arg(p)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -513,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="torch device (default: the accelerator if any, else the CPU)")
     p.add_argument("--window", type=int, default=512, help="tokens per window; each window is a fresh context")
     p.add_argument("--max-tokens", type=int, default=None, help="score only the text's first N tokens")
+    _add_kv_cache_dtype_arg(p)
     _add_threads_arg(p)
     p.set_defaults(func=cmd_perplexity)
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -532,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default=None)
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="memory for each engine's KV cache")
+    _add_kv_cache_dtype_arg(p)
     _add_threads_arg(p)
     _add_compile_arg(p)
     _add_speculative_arg(p)
@@ -546,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         ("pd", pd_bench, "colocated serving against prefill/decode disaggregation, one mixed load"),
         ("route", route_bench, "the replica routers (prefix, round-robin) on a multi-tenant load"),
         ("train", train_bench, "training tokens/s and memory beside transformers + peft, same data"),
+        ("kv", kv_bench, "the int8 KV cache against the 16-bit one: perplexity, tokens per pool, long-context decode"),
     ):
         p = bench.add_parser(name, help=help)
         module.add_arguments(p)

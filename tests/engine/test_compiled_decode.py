@@ -38,7 +38,7 @@ BATCH = [[3, 7, 11], [60, 2, 2, 8, 31, 5, 90], [12, 40, 41, 13, 1]]
 def runner_for(path, compile: bool) -> ModelRunner:
     loaded = load_model(path, torch.float32, torch.device("cpu"), load_tokenizer=False, keep_quantized=True)
     # The KV cache's dtype of the engine's fast path (bfloat16 or float16, by the CPU).
-    kv_dtype = EngineConfig(device="cpu").kv_cache_dtype
+    kv_dtype = EngineConfig(device="cpu").kv_dtype
     return ModelRunner(loaded.model, loaded.config, NUM_BLOCKS, BLOCK_SIZE, kv_dtype, torch.device("cpu"), compile)
 
 

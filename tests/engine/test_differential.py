@@ -135,26 +135,36 @@ class Case(NamedTuple):
     name: str
     path: Path
     dtype: str
+    kv_cache_dtype: str
+
+    @property
+    def engine_args(self) -> dict[str, str]:
+        return {"dtype": self.dtype, "kv_cache_dtype": self.kv_cache_dtype}
 
 
 MODELS = {"llama": "tiny_model_folder", "gemma3": "tiny_gemma3_folder", "kquant": "kquant_gguf"}
-CASES = [(model, dtype) for model in MODELS for dtype in ("float32", "auto")]
+# (model, dtype[, KV cache dtype]): the exact path, the fast path, and the fast path over an int8 KV cache.
+CASES = [case for model in MODELS for case in ((model, "float32"), (model, "auto"), (model, "auto", "int8"))]
 
 
-def case_id(case: tuple[str, str]) -> str:
+def case_id(case: tuple[str, ...]) -> str:
     return "-".join(case)
+
+
+def case_of(request, param: tuple[str, ...]) -> Case:
+    model, dtype, *kv = param
+    return Case(case_id(param), request.getfixturevalue(MODELS[model]), dtype, *(kv or ["auto"]))
 
 
 @pytest.fixture(scope="module", params=CASES, ids=case_id)
 def case(request) -> Case:
-    model, dtype = request.param
-    return Case(case_id(request.param), request.getfixturevalue(MODELS[model]), dtype)
+    return case_of(request, request.param)
 
 
 @pytest.fixture(scope="module")
 def alone_llm(case) -> LLM:
     """The reference engine: nothing shared between requests (no prefix cache), prompts in one chunk."""
-    return build_llm(case.path, dtype=case.dtype, enable_prefix_caching=False)
+    return build_llm(case.path, **case.engine_args, enable_prefix_caching=False)
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +212,7 @@ def mixed(
 def test_a_request_in_a_batch_of_64_arriving_and_finishing_around_it_gets_its_tokens_and_logprobs_alone(
     make_llm, case, alone
 ):
-    llm = make_llm(case.path, dtype=case.dtype, kv_cache_gb=0.03)
+    llm = make_llm(case.path, **case.engine_args, kv_cache_gb=0.03)
     batch, arrivals, where = mixed(REQUESTS, fillers(64 - len(REQUESTS), seed=1), seed=2, latest=20)
     got = run(llm, batch, arrivals)
     assert_same([got[i] for i in where], alone)
@@ -212,7 +222,7 @@ def test_a_request_in_a_batch_of_64_arriving_and_finishing_around_it_gets_its_to
 def test_a_core_lent_to_input_work_every_other_step_changes_no_token_or_logprob(make_llm, case, alone, monkeypatch):
     """The server's step runs on one core fewer while input work is under way (engine/executor.py): a batch whose
     thread count changes from step to step gives each request its tokens (on one core the count stays 1)."""
-    llm = make_llm(case.path, dtype=case.dtype, threads=None)  # the engine's own choice: it lends
+    llm = make_llm(case.path, **case.engine_args, threads=None)  # the engine's own choice: it lends
     executor, step, counts = llm.llm_engine.executor, llm.llm_engine.step, []
 
     def lending_step():
@@ -227,14 +237,14 @@ def test_a_core_lent_to_input_work_every_other_step_changes_no_token_or_logprob(
 
 
 def test_prefix_caching_off_changes_no_token_or_logprob(make_llm, case, alone):
-    llm = make_llm(case.path, dtype=case.dtype, enable_prefix_caching=False)
+    llm = make_llm(case.path, **case.engine_args, enable_prefix_caching=False)
     assert_same(run(llm, REQUESTS), alone)
 
 
 def test_prefix_cache_hits_warm_change_no_token_or_logprob(make_llm, case, alone):
     """The batch fills the cache (the later requests of a step may hit the earlier ones' shared prefix), then each
     request again, its whole prompt but the last token from the cache."""
-    llm = make_llm(case.path, dtype=case.dtype)
+    llm = make_llm(case.path, **case.engine_args)
     assert_same(run(llm, REQUESTS), alone)
     cold_hits = llm.llm_engine.block_manager.prefix_hit_tokens
     assert_same([run(llm, [r])[0] for r in REQUESTS], alone)
@@ -243,19 +253,19 @@ def test_prefix_cache_hits_warm_change_no_token_or_logprob(make_llm, case, alone
 
 @pytest.mark.parametrize("chunk", [1, 7, 64])
 def test_prefill_chunks_change_no_token_or_logprob(make_llm, case, alone, chunk):
-    llm = make_llm(case.path, dtype=case.dtype, max_num_batched_tokens=chunk)
+    llm = make_llm(case.path, **case.engine_args, max_num_batched_tokens=chunk)
     assert_same(run(llm, REQUESTS), alone)
 
 
 def test_preemption_changes_no_token_or_logprob(make_llm, case, alone):
-    llm = make_llm(case.path, dtype=case.dtype, kv_blocks=10)
+    llm = make_llm(case.path, **case.engine_args, kv_blocks=10)
     assert_same(run(llm, REQUESTS), alone)
     assert llm.llm_engine.scheduler.num_preemptions > 0
 
 
 def test_tracing_every_step_for_the_explorer_changes_no_token_or_logprob(make_llm, case, alone):
     """SamplingParams.trace (the explorer's record of each step's raw logits) on every request, in one batch."""
-    llm = make_llm(case.path, dtype=case.dtype)
+    llm = make_llm(case.path, **case.engine_args)
     traced = [(prompt, dataclasses.replace(params, trace=True)) for prompt, params in REQUESTS]
     assert_same(run(llm, traced), alone)
 
@@ -268,7 +278,7 @@ def test_forked_completions_and_beams_in_a_batch_get_their_tokens_and_logprobs_a
 ):
     """n = 4 completions and beams share their prompt's blocks (copy on write), beside the other requests."""
     expected = [run(alone_llm, [r])[0] for r in FORKED]
-    llm = make_llm(case.path, dtype=case.dtype, **engine_args)
+    llm = make_llm(case.path, **case.engine_args, **engine_args)
     batch, arrivals, where = mixed(FORKED + REQUESTS, [], seed=3, latest=6)
     got = run(llm, batch, arrivals)
     assert_same([got[i] for i in where], expected + alone)
@@ -294,13 +304,13 @@ def test_base_and_adapter_requests_in_one_batch_with_prefix_caching_get_their_to
     the adapter's identity), with others, in one batch: cold, then warm from the prefix cache. The base requests get
     an engine without adapters' tokens; each adapter's request gets its tokens alone."""
     with_adapters = [(prompt, params, None, False, lora) for lora in adapters for prompt, params in REQUESTS]
-    alone_llm = make_llm(case.path, dtype=case.dtype, enable_prefix_caching=False, enable_lora=True)
+    alone_llm = make_llm(case.path, **case.engine_args, enable_prefix_caching=False, enable_lora=True)
     adapters_alone = [run(alone_llm, [r])[0] for r in with_adapters]
     for i in range(len(adapters)):  # each adapter changes tokens
         assert [c[0][0] for c in adapters_alone[i * len(REQUESTS) : (i + 1) * len(REQUESTS)]] != [
             c[0][0] for c in alone
         ]
-    llm = make_llm(case.path, dtype=case.dtype, kv_cache_gb=0.03, enable_lora=True)
+    llm = make_llm(case.path, **case.engine_args, kv_cache_gb=0.03, enable_lora=True)
     batch, arrivals, where = mixed(REQUESTS + with_adapters, fillers(8, seed=4), seed=5, latest=10)
     for _ in ("cold", "warm"):
         got = run(llm, batch, arrivals)
@@ -309,22 +319,29 @@ def test_base_and_adapter_requests_in_one_batch_with_prefix_caching_get_their_to
 
 
 @pytest.mark.slow  # a first run builds each package (20 to 60 s on 2 cores); later ones load it from the cache
-@pytest.mark.parametrize("case", [("llama", "auto"), ("kquant", "auto")], ids=case_id, indirect=True)
+@pytest.mark.parametrize(
+    "case", [("llama", "auto"), ("kquant", "auto"), ("llama", "auto", "int8")], ids=case_id, indirect=True
+)
 def test_the_compiled_decode_step_gives_eagers_tokens_and_logprobs_alone_and_in_a_batch(make_llm, case, alone):
-    llm = make_llm(case.path, dtype=case.dtype, enable_prefix_caching=False, compile=True, compile_in_background=False)
+    llm = make_llm(
+        case.path, **case.engine_args, enable_prefix_caching=False, compile=True, compile_in_background=False
+    )
     assert llm.llm_engine.runner.forward.compiled is not None
     assert_same([run(llm, [r])[0] for r in REQUESTS], alone)
     assert_same(run(llm, REQUESTS), alone)
 
 
 @pytest.mark.parametrize(
-    "case", [("llama", "float32"), ("llama", "auto"), ("gemma3", "auto")], ids=case_id, indirect=True
+    "case",
+    [("llama", "float32"), ("llama", "auto"), ("gemma3", "auto"), ("llama", "auto", "int8")],
+    ids=case_id,
+    indirect=True,
 )
 def test_disaggregated_prefill_and_decode_workers_give_the_tokens_and_logprobs_alone(case, alone_llm, alone):
     """Every prompt computed by a prefill worker process, its blocks copied by a decode worker process that
     computes its last block and decodes: all at once, then again (the decode worker's prefix cache warm)."""
     expected = [run(alone_llm, [r])[0] for r in FORKED]
-    engine = build_disaggregated_engine(case.path, dtype=case.dtype)
+    engine = build_disaggregated_engine(case.path, **case.engine_args)
     try:
         for _ in range(2):
             got = asyncio.run(last_outputs(engine, FORKED + REQUESTS))
@@ -342,7 +359,7 @@ import dataclasses, json, sys
 from tests.engine.test_differential import REQUESTS, run
 from tests.helpers import build_llm
 cases = json.loads(sys.argv[1])
-results = {name: run(build_llm(path, dtype=dtype, threads=1), REQUESTS) for name, (path, dtype) in cases.items()}
+results = {name: run(build_llm(path, threads=1, **args), REQUESTS) for name, (path, args) in cases.items()}
 print(json.dumps(results, default=dataclasses.astuple))
 """
 
@@ -350,7 +367,7 @@ print(json.dumps(results, default=dataclasses.astuple))
 @pytest.fixture(scope="module")
 def other_process(request) -> dict[str, list]:
     """REQUESTS as one batch, per case, in a child process with another hash seed and one thread, as JSON."""
-    cases = {case_id(c): (str(request.getfixturevalue(MODELS[c[0]])), c[1]) for c in CASES}
+    cases = {c.name: (str(c.path), c.engine_args) for c in (case_of(request, param) for param in CASES)}
     hash_seed = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"
     env = os.environ | {"PYTHONHASHSEED": hash_seed, "TOKENLOOP_COMPILE": "0"}
     proc = subprocess.run(
@@ -369,7 +386,7 @@ def test_another_process_with_another_hash_seed_and_thread_count_gives_the_same_
     make_llm, case, other_process
 ):
     """Here two threads and this process's hash seed; there one thread and PYTHONHASHSEED=1 (the same schedule)."""
-    got = run(make_llm(case.path, dtype=case.dtype, threads=2), REQUESTS)
+    got = run(make_llm(case.path, **case.engine_args, threads=2), REQUESTS)
     assert json.loads(json.dumps(got, default=dataclasses.astuple)) == other_process[case.name]
 
 
@@ -480,6 +497,21 @@ def test_speculative_decoding_gives_the_same_tokens(
     # These prompts' continuations repeat no token: the echoing head's drafts are all rejected (test_eagle.py's
     # prompts have them accepted).
     assert stats.num_accepted_tokens > 0 if method != "eagle" else stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+def test_speculative_decoding_over_an_int8_kv_cache_gives_its_tokens(
+    make_llm, tiny_model_folder, tiny_drafter_folder, method
+):
+    """Drafts verified over an int8 cache (the EAGLE head's own cache int8 too): the tokens of the int8 cache alone."""
+    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False} | (
+        {"model": str(tiny_drafter_folder)} if method == "eagle" else {}
+    )
+    alone = make_llm(tiny_model_folder, dtype="auto", kv_cache_dtype="int8")
+    llm = make_llm(tiny_model_folder, dtype="auto", kv_cache_dtype="int8", speculative_config=spec)
+    expected = [o.outputs[0].token_ids for o in alone.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] == expected
+    assert llm.llm_engine.speculator.stats.num_draft_tokens > 0
 
 
 @pytest.mark.parametrize("chunk", [7, 64])

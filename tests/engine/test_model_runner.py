@@ -11,6 +11,7 @@ import torch
 from tokenloop.engine.model_runner import ModelRunner
 from tokenloop.engine.scheduler import ScheduledBatch
 from tokenloop.engine.sequence import Sequence
+from tokenloop.models import kv_layout
 from tokenloop.models.loader import load_model
 from tokenloop.sampling.params import SamplingParams
 
@@ -40,18 +41,21 @@ def test_each_sequence_attends_as_one_entry_whatever_its_phase(tiny_model_folder
     assert runner.prepare(ScheduledBatch([decoding, other], [1, 1])).decode_only
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
 @pytest.mark.parametrize("window", [None, 3])
-def test_the_sdpa_path_gives_the_kernels_attention(tiny_model_folder, window):
+def test_the_sdpa_path_gives_the_kernels_attention(tiny_model_folder, window, kv_dtype):
     """Where the kernel cannot run (a GPU), SDPA over a gathered copy attends to the same keys: decodes, a chunk
-    after cached tokens and a prompt from its first token, in one step, full and windowed."""
+    after cached tokens and a prompt from its first token, in one step, full and windowed, from a float32 cache
+    and from an int8 one (dequantized as gathered)."""
     loaded = load_model(tiny_model_folder, torch.float32, torch.device("cpu"), load_tokenizer=False)
     runner = ModelRunner(
-        loaded.model, loaded.config, num_blocks=8, block_size=16, kv_dtype=torch.float32, device=torch.device("cpu")
+        loaded.model, loaded.config, num_blocks=8, block_size=16, kv_dtype=kv_dtype, device=torch.device("cpu")
     )
     attn = loaded.model.attention_layers()[0]
     gen = torch.Generator().manual_seed(0)
-    attn.k_cache.copy_(torch.randn(attn.k_cache.shape, generator=gen))
-    attn.v_cache.copy_(torch.randn(attn.v_cache.shape, generator=gen))
+    rows = [torch.randn(attn.num_kv_heads, 8 * 16, attn.head_dim, generator=gen) for _ in range(2)]
+    for cache, filled in zip((attn.k_cache, attn.v_cache), kv_layout.from_rows(*rows, 16, kv_dtype)):
+        cache.copy_(filled)
     decoding = Sequence("a", [5, 6, 7, 8, 9, 10], 5, SamplingParams(), num_computed_tokens=5, block_table=[0, 1])
     long = Sequence("c", list(range(20, 27)), 7, SamplingParams(), num_computed_tokens=2, block_table=[2, 3])
     fresh = Sequence("d", [11, 12, 13, 14, 15], 5, SamplingParams(), block_table=[5, 6])
@@ -61,7 +65,9 @@ def test_the_sdpa_path_gives_the_kernels_attention(tiny_model_folder, window):
     kernel = attn.attend(q, meta)
     attn.cpu_kernel = False
     try:
-        torch.testing.assert_close(attn.attend(q, meta), kernel, atol=1e-5, rtol=1e-5)
+        # the int8 kernel rounds queries and probabilities to int16: within about 1e-4 of the floats
+        tolerance = 1e-5 if kv_dtype == torch.float32 else 5e-4
+        torch.testing.assert_close(attn.attend(q, meta), kernel, atol=tolerance, rtol=tolerance)
     finally:
         attn.cpu_kernel = True
 

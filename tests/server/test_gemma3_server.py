@@ -117,5 +117,5 @@ def test_metrics_count_the_kv_of_sliding_layers_outside_their_window_while_a_lon
     config, engine = offline.llm_engine.model_config, offline.llm_engine.config  # the server's: the same defaults
     lengths = range(prompt_tokens, prompt_tokens + 65)
     assert idle > 0 and idle in {
-        sliding_window_idle_bytes(config, engine.block_size, engine.kv_cache_dtype, [n]) for n in lengths
+        sliding_window_idle_bytes(config, engine.block_size, engine.kv_dtype, [n]) for n in lengths
     }

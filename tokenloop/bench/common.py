@@ -22,11 +22,14 @@ DEFAULT_PROMPT = (
 )
 
 
-def build_compiled_package(model: str, dtype: str) -> None:
+def build_compiled_package(model: str, dtype: str, kv_cache_dtype: str = "auto") -> None:
     """Start tokenloop once with `compile`, in a process of its own, waiting for the compiler, so that the
     decode package is in the cache before a measured run: every later start loads it, and that is what the
     tables measure (the package serves any thread count)."""
-    script = f"from tokenloop import LLM; LLM({model!r}, dtype={dtype!r}, compile=True, compile_in_background=False)"
+    script = (
+        f"from tokenloop import LLM; LLM({model!r}, dtype={dtype!r}, kv_cache_dtype={kv_cache_dtype!r}, "
+        "compile=True, compile_in_background=False)"
+    )
     subprocess.run([sys.executable, "-c", script], check=True)
 
 

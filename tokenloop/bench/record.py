@@ -26,6 +26,7 @@ KINDS = {
     "train": "`tokenloop bench train`: training tokens/s and memory beside transformers + peft, same data",
     "pd": "`tokenloop bench pd`: colocated serving against prefill/decode disaggregation, one mixed load",
     "route": "`tokenloop bench route`: the replica routers on a multi-tenant load",
+    "kv": "`tokenloop bench kv`: the int8 KV cache against the 16-bit one",
 }
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 RECORD_WRITES = ("README.md", "docs/benchmarks.md", "benchmarks/results")

@@ -92,7 +92,7 @@ def kv_cache_gb(model: str, load: RouteLoad) -> float:
 
     config = EngineConfig(model=model)
     blocks = (load.tenants // 2) * (load.system_tokens // config.block_size) + load.concurrency * 4
-    return blocks * kv_bytes_per_block(load_config(model), config.block_size, config.kv_cache_dtype) / 2**30
+    return blocks * kv_bytes_per_block(load_config(model), config.block_size, config.kv_dtype) / 2**30
 
 
 async def run_load(base_url: str, model: str, prompts: list[list[int]], load: RouteLoad, router: str) -> RouterRun:

@@ -27,7 +27,8 @@ def main(argv: list[str]) -> int:
         spec.model, DTYPES[spec.dtype], device, load_tokenizer=False, keep_quantized=spec.keep_quantized
     )
     # A runner of 4 blocks binds the caches as the engine's does (the slot count is dynamic in the package).
-    caches = ModelRunner(loaded.model, loaded.config, 4, spec.block_size, DTYPES[spec.kv_dtype], device).forward.caches
+    kv_dtype = getattr(torch, spec.kv_dtype)
+    caches = ModelRunner(loaded.model, loaded.config, 4, spec.block_size, kv_dtype, device).forward.caches
     computed = package_path(loaded.model, caches, spec.block_size)
     if str(computed) != target:  # the parent would never load what this process builds
         print(f"package key mismatch: the parent expects {target}, this process computes {computed}", flush=True)

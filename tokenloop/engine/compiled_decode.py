@@ -124,8 +124,8 @@ def package_key(model: nn.Module, caches: list[torch.Tensor], block_size: int) -
     ]
     parts += [f"{name}:{t.dtype}:{tuple(t.shape)}:{t.device.type}" for name, t in named_tensors(model).items()]
     parts += [f"{name}:{getattr(m, 'cpu_kernel', None)}" for name, m in model.named_modules()]
-    kv_heads, _, head_dim = caches[0].shape  # [kv_heads, slots, head_dim]: the slot count is dynamic
-    parts += [f"{caches[0].dtype}:{caches[0].device.type}:{kv_heads}:{head_dim}"]
+    kv_heads, _, width = caches[0].shape  # [kv_heads, slots, width]: the slot count is dynamic
+    parts += [f"{caches[0].dtype}:{caches[0].device.type}:{kv_heads}:{width}"]
     digest = hashlib.sha256("\n".join(parts).encode())
     for path in sorted(PACKAGE_SOURCES):
         digest.update(path.read_bytes())

@@ -54,7 +54,7 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks(loaded.config)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_gb={config.kv_cache_gb} does not hold one KV block of this model")
-        identity = block_identity(loaded.path, config.dtype, config.kv_cache_dtype)
+        identity = block_identity(loaded.path, config.dtype, config.kv_dtype)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, identity)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.input_processor = InputProcessor(
@@ -72,7 +72,7 @@ class LLMEngine:
             loaded.config,
             num_blocks,
             config.block_size,
-            config.kv_cache_dtype,
+            config.kv_dtype,
             device,
             compile,
             compile_spec(config, loaded.path) if compile and config.compile_in_background else None,

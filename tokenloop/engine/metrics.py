@@ -126,7 +126,7 @@ class EngineMetrics:
             sliding_window_idle_bytes(
                 engine.model_config,
                 engine.config.block_size,
-                engine.config.kv_cache_dtype,
+                engine.config.kv_dtype,
                 [seq.num_tokens for seq in scheduler.running],
             )
         )

@@ -1,6 +1,7 @@
 """Model runner: the only place tensors are built. Owns the KV cache, runs the forward pass, samples.
 
-The KV cache is one preallocated pool per layer, [kv_heads, num_blocks * block_size, head_dim], written in place.
+The KV cache is one preallocated pool per layer, [kv_heads, num_blocks * block_size, width], written in place
+(models/kv_layout.py: width is head_dim, or head_dim + 2 bytes in an int8 cache).
 A token at position p of a sequence lives in slot block_table[p // block_size] * block_size + p % block_size.
 Heads first: one head's rows of a block are contiguous, which is what decode attention reads (one KV head of
 one sequence at a time).
@@ -22,6 +23,7 @@ from tokenloop.engine.compiled_decode import CompileSpec, DecodeForward
 from tokenloop.engine.scheduler import ScheduledBatch
 from tokenloop.engine.sequence import Sequence
 from tokenloop.engine.trace import record_steps, rng_states
+from tokenloop.models import kv_layout
 from tokenloop.models.attention import AttentionMetadata
 from tokenloop.models.config import ModelConfig
 from tokenloop.models.lora_layers import LoRABatch, LoRAContext
@@ -32,7 +34,7 @@ SCORE_ROWS = 256  # logit rows log-softmaxed at once when scoring a sequence's o
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
+    return 2 * config.num_layers * block_size * config.num_kv_heads * kv_layout.bytes_per_token(config.head_dim, dtype)
 
 
 def sliding_window_idle_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype, num_tokens: list[int]) -> int:
@@ -219,7 +221,7 @@ class ModelRunner:
     ) -> None:
         self.model, self.config, self.block_size, self.device = model, config, block_size, device
         self.lora = lora or LoRAContext()
-        shape = (config.num_kv_heads, num_blocks * block_size, config.head_dim)
+        shape = (config.num_kv_heads, num_blocks * block_size, kv_layout.width(config.head_dim, kv_dtype))
         layers = model.attention_layers()
         for attn in layers:
             attn.bind_cache(pool(shape, kv_dtype, device), pool(shape, kv_dtype, device))
@@ -325,7 +327,7 @@ class ModelRunner:
         src = torch.tensor([s * bs + i for s in last.values() for i in range(bs)], device=self.device)
         dst = torch.tensor([d * bs + i for d in last for i in range(bs)], device=self.device)
         for attn in self.model.attention_layers():
-            for pool in (attn.k_cache, attn.v_cache):  # [kv_heads, slots, head_dim]
+            for pool in (attn.k_cache, attn.v_cache):  # [kv_heads, slots, width]
                 pool[:, dst] = pool[:, src]
 
     @staticmethod

@@ -8,7 +8,7 @@
   with the shape).
 - `paged_attention.cpp` computes every query's attention (prompt chunks, decodes, drafts) straight from the paged
   KV cache (laid out for it: kv_cache.h), each query row in one fixed order whatever the call: bfloat16 products
-  on a bfloat16 cache (CPUs with AVX512-BF16), float32 on a float16 or float32 one.
+  on a bfloat16 cache (CPUs with AVX512-BF16), float32 on a float16 or float32 one, integer on an int8 one.
 - `rms_norm.cpp` normalises rows in one pass (eager PyTorch makes six).
 - `rotary_cache.cpp` rotates queries and keys and writes keys and values into the cache in one pass (eager
   PyTorch makes about nine).
@@ -98,6 +98,8 @@ def attention_kernel_supports(kv_dtype: torch.dtype, head_dim: int) -> bool:
     """Whether paged_attention runs on a CPU cache of this dtype and head size (elsewhere, SDPA does)."""
     if kv_dtype == torch.bfloat16:
         return head_dim % 16 == 0 and bfloat16_cache_supported()
+    if kv_dtype == torch.int8:  # int16 products whose sums stay within int32
+        return head_dim % 16 == 0 and head_dim <= 256 and cpu_kernels_available()
     return kv_dtype in (torch.float16, torch.float32) and head_dim % 8 == 0 and cpu_kernels_available()
 
 

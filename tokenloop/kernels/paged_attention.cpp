@@ -14,9 +14,10 @@
 //
 // The products: on a bfloat16 cache (CPUs with AVX512-BF16), AVX512-BF16's vdpbf16ps on queries and probabilities
 // rounded to bfloat16 and the cache's keys and values (32 multiply-adds an instruction), sums in float32; on a
-// float16 or float32 cache, float32 FMAs (the exact float32 path). Either reads keys and values where they are in
-// the cache, whose blocks are laid out for these products (kv_cache.h): nothing is copied or converted per step
-// but the queries.
+// float16 or float32 cache, float32 FMAs (the exact float32 path); on an int8 cache, exact integer sums of int16
+// queries and probabilities times the int8 keys and values (Int8Products). Each reads keys and values where they
+// are in the cache, whose blocks are laid out for these products (kv_cache.h): nothing is copied or converted per
+// step but the queries.
 #define CPU_CAPABILITY AVX2
 #define CPU_CAPABILITY_AVX2
 #include <ATen/Parallel.h>
@@ -29,6 +30,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -42,8 +44,36 @@ constexpr int64_t kGroup = 16;      // consecutive keys per group: a block's key
 constexpr int64_t kQueryRows = 64;  // query rows (positions x query heads of a KV head) per work item
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+// Float32 vectors of 8 lanes (AVX2) and of 16 (AVX-512), loading float32 or float16 elements. Every lane
+// computes on its own (one key's score, one dimension's output), so both widths give the same floats.
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V zero() { return _mm256_setzero_ps(); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+};
+
+#ifdef __AVX512F__
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int kLanes = 16;
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V zero() { return _mm512_setzero_ps(); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+};
+using WideLanes = Lanes16;  // 32 registers: 4 query rows a tile
+#else
+using WideLanes = Lanes8;  // 16 registers: 2 query rows a tile
+#endif
 
 // fn(std::integral_constant<int, v>) for v = min(n, 4) vectors (n >= 1).
 template <typename Fn>
@@ -55,73 +85,224 @@ inline void with_vectors(int64_t n, Fn&& fn) {
 }
 
 // One block of 32 keys in the cache: its two groups of 16 consecutive positions, each within one cache block
-// (block_size is a multiple of 16), at their first key's place in the block's keys and in its values.
+// (block_size is a multiple of 16), at their first key's place in the block's keys and in its values (and, in an
+// int8 cache, in their scales).
 template <typename T>
 struct KeyBlock {
   const T* keys[2];
   const T* values[2];
+  const at::Half* key_scales[2];
+  const at::Half* value_scales[2];
 };
 
-// Float32 products on 8-lane vectors (AVX2; the same floats on an AVX-512 CPU) from a float16 or float32 cache:
-// per dimension, one broadcast query value times 4 vectors of 8 keys; per key, one broadcast probability times
-// its value's dimensions.
+// Key k (0..31) of a block, from one of its groups' pointers.
+template <typename T>
+inline const T* key_at(const T* const (&groups)[2], int64_t k) { return groups[k / kGroup] + k % kGroup; }
+
+// Float32 products from a float16 or float32 cache, on the widest float vectors the CPU has (the same floats on
+// any): per dimension, one broadcast query value times the block's 32 keys; per key, one broadcast probability
+// times its value's dimensions.
 template <typename T>
 struct F32Products {
+  using L = WideLanes;
+  using V = typename L::V;
+  static constexpr int kKeyVectors = kKeys / L::kLanes;
   using Cached = T;
-  using Packed = float;                  // queries and probabilities as the products take them
-  static constexpr int kScoreRows = 2;   // query rows per tile of scores: 2 x 4 accumulators
-  static constexpr int kOutputRows = 2;  // query rows per tile of outputs: 2 x 4 accumulators of 8 dimensions
+  using PackedQuery = float;  // queries and probabilities as the products take them
+  using PackedProbs = float;
+  static constexpr int kScoreRows = 64 / L::kLanes;   // query rows per tile of scores: 4 x 2 (or 2 x 4) accumulators
+  static constexpr int kOutputRows = 64 / L::kLanes;  // query rows per tile of outputs: up to 4 vectors of dimensions each
   static int64_t query_elems(int64_t d) { return d; }
   static constexpr int64_t kProbElems = kKeys;
 
-  static void pack_query(const float* x, int64_t d, Packed* out) { std::copy(x, x + d, out); }
+  static void pack_query(const float* x, int64_t d, PackedQuery* out) { std::copy(x, x + d, out); }
 
   // scores [kRows][32] = scale * q . k, each score summed over the dimensions in order.
   template <int kRows>
-  static void score_tile(const Packed* q, const KeyBlock<T>& b, int64_t block_size, int64_t d, float scale, float* scores) {
-    __m256 acc[kRows][4];
+  static void score_tile(const PackedQuery* q, const KeyBlock<T>& b, int64_t block_size, int64_t d, float scale, float* scores) {
+    V acc[kRows][kKeyVectors];
     for (auto& row : acc)
-      for (auto& a : row) a = _mm256_setzero_ps();
+      for (auto& a : row) a = L::zero();
     for (int64_t i = 0; i < d; ++i) {
-      __m256 k[4];
-      for (int c = 0; c < 4; ++c) k[c] = load8(b.keys[c / 2] + i * block_size + 8 * (c % 2));
+      V k[kKeyVectors];
+      for (int c = 0; c < kKeyVectors; ++c) k[c] = L::load(key_at(b.keys, c * L::kLanes) + i * block_size);
       for (int r = 0; r < kRows; ++r) {
-        const __m256 qv = _mm256_set1_ps(q[r * d + i]);
-        for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_fmadd_ps(qv, k[c], acc[r][c]);
+        const V qv = L::set1(q[r * d + i]);
+        for (int c = 0; c < kKeyVectors; ++c) acc[r][c] = L::fmadd(qv, k[c], acc[r][c]);
       }
     }
-    const __m256 s = _mm256_set1_ps(scale);
+    const V s = L::set1(scale);
     for (int r = 0; r < kRows; ++r)
-      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(scores + r * kKeys + 8 * c, _mm256_mul_ps(acc[r][c], s));
+      for (int c = 0; c < kKeyVectors; ++c) L::store(scores + r * kKeys + c * L::kLanes, L::mul(acc[r][c], s));
   }
 
-  static void pack_probs(const float* x, Packed* p) { std::copy(x, x + kKeys, p); }
+  static void pack_probs(const float* x, const KeyBlock<T>&, PackedProbs* p) { std::copy(x, x + kKeys, p); }
 
-  // out [kRows][D] = out * rescale + p . v, each sum over the block's keys in order; dimensions in pieces of 32.
+  // out [kRows][D] = out * rescale + p . v, each sum over the block's keys in order; dimensions in pieces of up to
+  // 4 wide vectors, and a last piece of 8 where D is not a multiple of the wide vector (D is one of 8).
   template <int kRows>
-  static void output_tile(const Packed* p, const float* rescale, const KeyBlock<T>& b, int64_t d, float* out) {
-    for (int64_t dim0 = 0; dim0 < d; dim0 += 32)
-      with_vectors((d - dim0) / 8, [&](auto vectors) { output_piece<kRows, decltype(vectors)::value>(p, rescale, b, d, dim0, out); });
+  static void output_tile(const PackedProbs* p, const float* rescale, const KeyBlock<T>& b, int64_t d, float* out) {
+    const int64_t wide = d / L::kLanes * L::kLanes;
+    for (int64_t dim0 = 0; dim0 < wide; dim0 += 4 * L::kLanes)
+      with_vectors((wide - dim0) / L::kLanes, [&](auto vectors) { output_piece<L, kRows, decltype(vectors)::value>(p, rescale, b, d, dim0, out); });
+    if (wide < d) output_piece<Lanes8, kRows, 1>(p, rescale, b, d, wide, out);
   }
 
-  // kVectors vectors of 8 dimensions from dim0 (a compile-time count: with a runtime one, gcc keeps the
+  // kVectors vectors of W dimensions from dim0 (a compile-time count: with a runtime one, gcc keeps the
   // accumulators on the stack).
-  template <int kRows, int kVectors>
-  static void output_piece(const Packed* p, const float* rescale, const KeyBlock<T>& b, int64_t d, int64_t dim0, float* out) {
-    __m256 acc[kRows][kVectors];
+  template <typename W, int kRows, int kVectors>
+  static void output_piece(const PackedProbs* p, const float* rescale, const KeyBlock<T>& b, int64_t d, int64_t dim0, float* out) {
+    typename W::V acc[kRows][kVectors];
     for (int r = 0; r < kRows; ++r)
-      for (int c = 0; c < kVectors; ++c) acc[r][c] = _mm256_mul_ps(_mm256_loadu_ps(out + r * d + dim0 + 8 * c), _mm256_set1_ps(rescale[r]));
+      for (int c = 0; c < kVectors; ++c) acc[r][c] = W::mul(W::load(out + r * d + dim0 + W::kLanes * c), W::set1(rescale[r]));
     for (int64_t j = 0; j < kKeys; ++j) {
       const T* value = b.values[j / kGroup] + (j % kGroup) * d + dim0;
-      __m256 v[kVectors];
-      for (int c = 0; c < kVectors; ++c) v[c] = load8(value + 8 * c);
+      typename W::V v[kVectors];
+      for (int c = 0; c < kVectors; ++c) v[c] = W::load(value + W::kLanes * c);
       for (int r = 0; r < kRows; ++r) {
-        const __m256 pj = _mm256_set1_ps(p[r * kKeys + j]);
-        for (int c = 0; c < kVectors; ++c) acc[r][c] = _mm256_fmadd_ps(pj, v[c], acc[r][c]);
+        const typename W::V pj = W::set1(p[r * kKeys + j]);
+        for (int c = 0; c < kVectors; ++c) acc[r][c] = W::fmadd(pj, v[c], acc[r][c]);
       }
     }
     for (int r = 0; r < kRows; ++r)
-      for (int c = 0; c < kVectors; ++c) _mm256_storeu_ps(out + r * d + dim0 + 8 * c, acc[r][c]);
+      for (int c = 0; c < kVectors; ++c) W::store(out + r * d + dim0 + W::kLanes * c, acc[r][c]);
+  }
+};
+
+// Products for an int8 cache, in integers: each query row rounded to int16 (its own scale, max |q| / 32767), each
+// block's probabilities times their values' scales rounded to int16 (a scale per row and block), and both times the
+// cache's int8 keys and values as exact integer sums over pairs (AVX512-VNNI's vpdpwssd: 16 lanes of two int16
+// products an instruction); the sums then scaled back in float32. An integer sum is the same whatever computes it:
+// without AVX512-VNNI, a plain loop does. Query rows: the scale's bits after the d / 2 pairs; probabilities: the
+// scale's bits after the 16 pairs. Needs head_dim a multiple of 16, at most 256 (the sums stay within int32).
+struct Int8Products {
+  using Cached = int8_t;
+  using PackedQuery = uint32_t;
+  using PackedProbs = uint32_t;
+  static constexpr int kScoreRows = 4;   // 4 x 2 accumulators
+  static constexpr int kOutputRows = 4;  // 4 x 4 accumulators of 16 dimensions
+  static int64_t query_elems(int64_t d) { return d / 2 + 1; }
+  static constexpr int64_t kProbElems = kKeys / 2 + 1;
+
+  // x's n values (a multiple of 8) as int16 (pairs of them per uint32), x_i ~ q_i * scale, q_i = x_i / scale rounded
+  // half to even; the scale's bits after them.
+  static void to_int16(const float* x, int64_t n, uint32_t* out) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 amax = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float scale = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))) / 32767.f;
+    int16_t* values = reinterpret_cast<int16_t*>(out);
+    if (scale > 0.f) {
+      const __m256 s = _mm256_set1_ps(scale);
+      for (int64_t i = 0; i < n; i += 8) {
+        const __m256 q = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i q32 = _mm256_cvtps_epi32(q);  // |q| <= 32767: no clamp needed
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(values + i), _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1)));
+      }
+    } else {
+      std::fill_n(values, n, int16_t{0});
+    }
+    std::memcpy(out + n / 2, &scale, sizeof(float));
+  }
+
+  static float scale_of(const uint32_t* packed, int64_t pairs) {
+    float scale;
+    std::memcpy(&scale, packed + pairs, sizeof(float));
+    return scale;
+  }
+
+  static void pack_query(const float* x, int64_t d, PackedQuery* out) { to_int16(x, d, out); }
+
+  // scores [kRows][32] = (sum_i q_i k_i) * (q scale * scale) * k scale.
+  template <int kRows>
+  static void score_tile(const PackedQuery* q, const KeyBlock<int8_t>& b, int64_t block_size, int64_t d, float scale, float* scores) {
+    const int64_t qe = query_elems(d);
+    alignas(64) int32_t dots[kRows][kKeys];
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    __m512i acc[kRows][2];
+    for (auto& row : acc) row[0] = row[1] = _mm512_setzero_si512();
+    for (int64_t p = 0; p < d / 2; ++p) {
+      __m512i k[2];  // per group, its 16 keys' dimensions 2p and 2p + 1
+      for (int g = 0; g < 2; ++g) k[g] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.keys[g] + p * block_size * 2)));
+      for (int r = 0; r < kRows; ++r) {
+        const __m512i qp = _mm512_set1_epi32(static_cast<int>(q[r * qe + p]));
+        for (int g = 0; g < 2; ++g) acc[r][g] = _mm512_dpwssd_epi32(acc[r][g], k[g], qp);
+      }
+    }
+    for (int r = 0; r < kRows; ++r)
+      for (int g = 0; g < 2; ++g) _mm512_store_si512(dots[r] + 16 * g, acc[r][g]);
+#else
+    for (int r = 0; r < kRows; ++r) {
+      const int16_t* qr = reinterpret_cast<const int16_t*>(q + r * qe);
+      for (int64_t j = 0; j < kKeys; ++j) {
+        int32_t dot = 0;
+        for (int64_t i = 0; i < d; ++i) dot += qr[i] * b.keys[j / kGroup][key_offset<int8_t>(j % kGroup, i, block_size)];
+        dots[r][j] = dot;
+      }
+    }
+#endif
+    for (int r = 0; r < kRows; ++r) {
+      const __m256 coefficient = _mm256_set1_ps(scale_of(q + r * qe, d / 2) * scale);
+      for (int64_t j = 0; j < kKeys; j += 8) {
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dots[r] + j)));
+        _mm256_storeu_ps(scores + r * kKeys + j, _mm256_mul_ps(_mm256_mul_ps(dot, coefficient), Lanes8::load(key_at(b.key_scales, j))));
+      }
+    }
+  }
+
+  // The probabilities times their values' scales, as int16 pairs of keys and a scale.
+  static void pack_probs(const float* x, const KeyBlock<int8_t>& b, PackedProbs* p) {
+    alignas(32) float scaled[kKeys];
+    for (int64_t j = 0; j < kKeys; j += 8)
+      _mm256_store_ps(scaled + j, _mm256_mul_ps(_mm256_loadu_ps(x + j), Lanes8::load(key_at(b.value_scales, j))));
+    to_int16(scaled, kKeys, p);
+  }
+
+  // out [kRows][D] = out * rescale + (sum_j p_j v_j) * p scale, each sum over the block's keys in integers.
+  template <int kRows>
+  static void output_tile(const PackedProbs* p, const float* rescale, const KeyBlock<int8_t>& b, int64_t d, float* out) {
+    for (int64_t dim0 = 0; dim0 < d; dim0 += 64)
+      with_vectors((d - dim0) / 16, [&](auto vectors) { output_piece<kRows, decltype(vectors)::value>(p, rescale, b, d, dim0, out); });
+  }
+
+  template <int kRows, int kVectors>
+  static void output_piece(const PackedProbs* p, const float* rescale, const KeyBlock<int8_t>& b, int64_t d, int64_t dim0, float* out) {
+    alignas(64) int32_t sums[kRows][kVectors * 16];
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    __m512i acc[kRows][kVectors];
+    for (auto& row : acc)
+      for (auto& a : row) a = _mm512_setzero_si512();
+    for (int64_t pair = 0; pair < kKeys / 2; ++pair) {
+      const int8_t* first = b.values[pair / (kGroup / 2)] + (pair % (kGroup / 2) * d + dim0) * 2;  // the pair's values
+      __m512i v[kVectors];
+      for (int c = 0; c < kVectors; ++c) v[c] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(first + 32 * c)));
+      for (int r = 0; r < kRows; ++r) {
+        const __m512i pp = _mm512_set1_epi32(static_cast<int>(p[r * kProbElems + pair]));
+        for (int c = 0; c < kVectors; ++c) acc[r][c] = _mm512_dpwssd_epi32(acc[r][c], v[c], pp);
+      }
+    }
+    for (int r = 0; r < kRows; ++r)
+      for (int c = 0; c < kVectors; ++c) _mm512_store_si512(sums[r] + 16 * c, acc[r][c]);
+#else
+    for (int r = 0; r < kRows; ++r) {
+      const int16_t* pr = reinterpret_cast<const int16_t*>(p + r * kProbElems);
+      for (int64_t i = 0; i < kVectors * 16; ++i) {
+        int32_t sum = 0;
+        for (int64_t j = 0; j < kKeys; ++j) sum += pr[j] * b.values[j / kGroup][value_offset<int8_t>(j % kGroup, dim0 + i, d)];
+        sums[r][i] = sum;
+      }
+    }
+#endif
+    for (int r = 0; r < kRows; ++r) {
+      const __m256 coefficient = _mm256_set1_ps(scale_of(p + r * kProbElems, kKeys / 2)), keep = _mm256_set1_ps(rescale[r]);
+      for (int64_t i = 0; i < kVectors * 16; i += 8) {
+        float* y = out + r * d + dim0 + i;
+        const __m256 sum = _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sums[r] + i)));
+        _mm256_storeu_ps(y, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(y), keep), _mm256_mul_ps(sum, coefficient)));
+      }
+    }
   }
 };
 
@@ -136,18 +317,19 @@ inline __m512i load_pairs(const at::BFloat16* p, int64_t pairs) { return _mm512_
 // keys, times the cache's values (per pair of keys, each dimension's two values).
 struct Bf16Products {
   using Cached = at::BFloat16;
-  using Packed = uint32_t;
+  using PackedQuery = uint32_t;
+  using PackedProbs = uint32_t;
   static constexpr int kScoreRows = 8;   // 8 x 2 accumulators
   static constexpr int kOutputRows = 4;  // 4 x 4 accumulators of 16 dimensions
   static int64_t query_elems(int64_t d) { return d / 2; }
   static constexpr int64_t kProbElems = kKeys / 2;
 
-  static void pack_query(const float* x, int64_t d, Packed* out) {
+  static void pack_query(const float* x, int64_t d, PackedQuery* out) {
     for (int64_t i = 0; i < d; i += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(reinterpret_cast<uint16_t*>(out) + i), bf16(_mm512_loadu_ps(x + i)));
   }
 
   template <int kRows>
-  static void score_tile(const Packed* q, const KeyBlock<Cached>& b, int64_t block_size, int64_t d, float scale, float* scores) {
+  static void score_tile(const PackedQuery* q, const KeyBlock<Cached>& b, int64_t block_size, int64_t d, float scale, float* scores) {
     __m512 acc[kRows][2];
     for (auto& row : acc) row[0] = row[1] = _mm512_setzero_ps();
     for (int64_t p = 0; p < d / 2; ++p) {
@@ -165,19 +347,19 @@ struct Bf16Products {
     }
   }
 
-  static void pack_probs(const float* x, Packed* p) {
+  static void pack_probs(const float* x, const KeyBlock<Cached>&, PackedProbs* p) {
     for (int64_t j = 0; j < kKeys; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(reinterpret_cast<uint16_t*>(p) + j), bf16(_mm512_loadu_ps(x + j)));
   }
 
   template <int kRows>
-  static void output_tile(const Packed* p, const float* rescale, const KeyBlock<Cached>& b, int64_t d, float* out) {
+  static void output_tile(const PackedProbs* p, const float* rescale, const KeyBlock<Cached>& b, int64_t d, float* out) {
     for (int64_t dim0 = 0; dim0 < d; dim0 += 64)
       with_vectors((d - dim0) / 16, [&](auto vectors) { output_piece<kRows, decltype(vectors)::value>(p, rescale, b, d, dim0, out); });
   }
 
   // kVectors vectors of 16 dimensions from dim0 (a compile-time count, so that the accumulators stay in registers).
   template <int kRows, int kVectors>
-  static void output_piece(const Packed* p, const float* rescale, const KeyBlock<Cached>& b, int64_t d, int64_t dim0, float* out) {
+  static void output_piece(const PackedProbs* p, const float* rescale, const KeyBlock<Cached>& b, int64_t d, int64_t dim0, float* out) {
     __m512 acc[kRows][kVectors];
     for (int r = 0; r < kRows; ++r)
       for (int c = 0; c < kVectors; ++c) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(out + r * d + dim0 + 16 * c), _mm512_set1_ps(rescale[r]));
@@ -237,7 +419,7 @@ struct Entry {
 };
 
 struct Cache {
-  int64_t kv_heads, slots, d, block_size, window;
+  int64_t kv_heads, slots, d, width, block_size, window;  // width: a row's elements (d, or d + 2 in an int8 cache)
 };
 
 // Keys a query at `pos` may see: lowest_key(pos) .. pos.
@@ -250,24 +432,33 @@ KeyBlock<T> key_block(const T* k_cache, const T* v_cache, const Entry& e, const 
   KeyBlock<T> b;
   for (int g = 0; g < 2; ++g) {
     const int64_t pos = block * kKeys + (block * kKeys + g * kGroup < e.first + e.count ? g * kGroup : 0);
-    const int64_t start = (h * c.slots + e.table[pos / c.block_size] * c.block_size) * c.d, offset = pos % c.block_size;
+    const int64_t start = (h * c.slots + e.table[pos / c.block_size] * c.block_size) * c.width, offset = pos % c.block_size;
     b.keys[g] = k_cache + start + key_offset<T>(offset, 0, c.block_size);  // the group's first key, dimension 0
     b.values[g] = v_cache + start + value_offset<T>(offset, 0, c.d);
+    if constexpr (std::is_same_v<T, int8_t>) {
+      b.key_scales[g] = block_scales(k_cache + start, c.block_size, c.d) + offset;
+      b.value_scales[g] = block_scales(v_cache + start, c.block_size, c.d) + offset;
+    }
   }
   return b;
 }
 
 template <typename P>
 struct Scratch {
-  std::vector<typename P::Packed> q, p;
+  std::vector<typename P::PackedQuery> q;
+  std::vector<typename P::PackedProbs> p;
   std::vector<float> out, scores, max, sum, rescale;
 };
 
-// fn(std::integral_constant<int, rows>) for a tile of up to `rows` query rows: the smaller tile where it covers them.
+// fn(std::integral_constant<int, rows>) for a tile of up to `rows` query rows: a tile of exactly `rows` where they
+// are fewer than kMax (a decode's query heads of one KV head), else of kMax.
 template <int kMax, typename Fn>
 inline void with_tile(int64_t rows, Fn&& fn) {
-  if (kMax > 4 && rows <= 4) fn(std::integral_constant<int, 4>{});
-  else fn(std::integral_constant<int, kMax>{});
+  if (rows >= kMax) fn(std::integral_constant<int, kMax>{});
+  else if (rows <= 1) fn(std::integral_constant<int, 1>{});
+  else if (rows == 2) fn(std::integral_constant<int, 2>{});
+  else if (rows == 3) fn(std::integral_constant<int, 3>{});
+  else fn(std::integral_constant<int, std::min(kMax, 4)>{});
 }
 
 // Query rows [i0, i1) of entry e (positions e.first + i), the `group` query heads of KV head h.
@@ -310,7 +501,7 @@ void attend_item(const float* q, int64_t q_row_stride, float* out, int64_t out_r
         s.sum[r] = s.sum[r] * s.rescale[r] + exp_block(x, new_max);
         s.max[r] = new_max;
       }
-      P::pack_probs(x, s.p.data() + r * P::kProbElems);
+      P::pack_probs(x, b, s.p.data() + r * P::kProbElems);
     }
     with_tile<P::kOutputRows>(rows, [&](auto tile) {
       constexpr int kRows = decltype(tile)::value;
@@ -356,7 +547,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            int64_t block_size, const at::Tensor& query_start, const at::Tensor& query_count, const at::Tensor& first_position,
                            int64_t window, double scale) {
   check_kv_caches(k_cache, v_cache, block_size);
-  const int64_t kv_heads = k_cache.size(0), slots = k_cache.size(1), d = k_cache.size(2);
+  const int64_t kv_heads = k_cache.size(0), slots = k_cache.size(1), width = k_cache.size(2), d = cache_head_dim(k_cache);
   TORCH_CHECK(d % 8 == 0, "head_dim must be a multiple of 8, got ", d);
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.size(2) == d && q.stride(2) == 1 && q.stride(1) == d && q.size(1) % kv_heads == 0,
               "q must be a float32 [T, heads, head_dim] tensor, heads a multiple of the cache's KV heads, each row's heads contiguous");
@@ -384,7 +575,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(covered == num_q, "the entries' query rows must cover q's ", num_q, " rows once each, they cover ", covered);
   at::Tensor out = at::empty({num_q, heads * d}, q.options().memory_format(at::MemoryFormat::Contiguous));
   if (num_q == 0) return out;
-  const Cache c{kv_heads, slots, d, block_size, window};
+  const Cache c{kv_heads, slots, d, width, block_size, window};
   const float* qp = q.data_ptr<float>();
   float* y = out.data_ptr<float>();
   if (k_cache.scalar_type() == at::kBFloat16) {
@@ -394,6 +585,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 #else
     TORCH_CHECK(false, "a bfloat16 cache needs a CPU with AVX512-BF16 (tokenloop.kernels.bfloat16_cache_supported)");
 #endif
+  } else if (k_cache.scalar_type() == at::kChar) {
+    TORCH_CHECK(d % 16 == 0 && d <= 256, "an int8 cache needs head_dim a multiple of 16, at most 256, got ", d);
+    attention<Int8Products>(qp, q.stride(0), heads, k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), entries, c, static_cast<float>(scale), y);
   } else if (k_cache.scalar_type() == at::kHalf) {
     attention<F32Products<at::Half>>(qp, q.stride(0), heads, k_cache.data_ptr<at::Half>(), v_cache.data_ptr<at::Half>(), entries, c, static_cast<float>(scale), y);
   } else {

@@ -5,9 +5,10 @@
 //
 // qkv [T, (q_heads + 2 kv_heads) * D] float32, the projection's output: q and k are rotated in place
 // (rotate-half RoPE: x * cos + rotate_half(x) * sin, cos and sin [T, D]); k and v are also written to
-// k_cache and v_cache (kv_cache.h: [kv_heads, slots, D] in blocks of block_size) at slot slot_mapping[t]. With q_norm and k_norm
-// ([D] float32 each, Gemma 3's per-head norms), each query and key head is RMS-normalised first, as the eager
-// norms would (five passes each, and a copy to put q, k and v back together).
+// k_cache and v_cache (kv_cache.h: [kv_heads, slots, width] in blocks of block_size; an int8 cache's quantized per
+// token and head) at slot slot_mapping[t]. With q_norm and k_norm ([D] float32 each, Gemma 3's per-head norms),
+// each query and key head is RMS-normalised first, as the eager norms would (five passes each, and a copy to put
+// q, k and v back together).
 #define CPU_CAPABILITY AVX2
 #define CPU_CAPABILITY_AVX2
 #include <ATen/Parallel.h>
@@ -34,13 +35,13 @@ inline void rotate(const float* x, const float* cos, const float* sin, int64_t d
 
 template <typename T>
 void rotary_cache_rows(float* qkv, const float* cos, const float* sin, T* k_cache, T* v_cache, const int64_t* slot_mapping, int64_t tokens,
-                       int64_t q_heads, int64_t kv_heads, int64_t slots, int64_t d, int64_t block_size, const float* q_norm, const float* k_norm,
-                       float eps) {
-  const int64_t width = (q_heads + 2 * kv_heads) * d;
+                       int64_t q_heads, int64_t kv_heads, int64_t slots, int64_t d, int64_t width, int64_t block_size, const float* q_norm,
+                       const float* k_norm, float eps) {
+  const int64_t row_width = (q_heads + 2 * kv_heads) * d;
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     float rotated[1024];  // one head; D <= 1024 is checked
     for (int64_t t = begin; t < end; ++t) {
-      float* row = qkv + t * width;
+      float* row = qkv + t * row_width;
       const float *c = cos + t * d, *s = sin + t * d;
       for (int64_t h = 0; h < q_heads + kv_heads; ++h) {
         float* x = row + h * d;
@@ -52,11 +53,16 @@ void rotary_cache_rows(float* qkv, const float* cos, const float* sin, T* k_cach
         const float* k = row + (q_heads + h) * d;
         const float* v = row + (q_heads + kv_heads + h) * d;
         const int64_t block = h * slots + slot_mapping[t] / block_size * block_size, j = slot_mapping[t] % block_size;
-        T* k_out = k_cache + block * d;
-        T* v_out = v_cache + block * d;
-        for (int64_t i = 0; i < d; ++i) {
-          k_out[key_offset<T>(j, i, block_size)] = static_cast<T>(k[i]);
-          v_out[value_offset<T>(j, i, d)] = static_cast<T>(v[i]);
+        T* k_out = k_cache + block * width;
+        T* v_out = v_cache + block * width;
+        if constexpr (std::is_same_v<T, int8_t>) {
+          block_scales(k_out, block_size, d)[j] = quantize_int8(k, d, [&](int64_t i, int8_t q) { k_out[key_offset<T>(j, i, block_size)] = q; });
+          block_scales(v_out, block_size, d)[j] = quantize_int8(v, d, [&](int64_t i, int8_t q) { v_out[value_offset<T>(j, i, d)] = q; });
+        } else {
+          for (int64_t i = 0; i < d; ++i) {
+            k_out[key_offset<T>(j, i, block_size)] = static_cast<T>(k[i]);
+            v_out[value_offset<T>(j, i, d)] = static_cast<T>(v[i]);
+          }
         }
       }
     }
@@ -67,8 +73,9 @@ void rotary_cache_write(const at::Tensor& qkv, const at::Tensor& cos, const at::
                         const at::Tensor& slot_mapping, int64_t block_size, int64_t q_heads, const std::optional<at::Tensor>& q_norm,
                         const std::optional<at::Tensor>& k_norm, double eps) {
   check_kv_caches(k_cache, v_cache, block_size);
-  const int64_t kv_heads = k_cache.size(0), slots = k_cache.size(1), d = k_cache.size(2), tokens = qkv.size(0);
+  const int64_t kv_heads = k_cache.size(0), slots = k_cache.size(1), width = k_cache.size(2), d = cache_head_dim(k_cache), tokens = qkv.size(0);
   TORCH_CHECK(d % 2 == 0 && d <= 1024, "head_dim must be even and at most 1024, got ", d);
+  TORCH_CHECK(k_cache.scalar_type() != at::kChar || d % 4 == 0, "an int8 cache needs head_dim a multiple of 4, got ", d);
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous() && qkv.size(1) == (q_heads + 2 * kv_heads) * d,
               "qkv must be a contiguous [T, (q_heads + 2 * kv_heads) * head_dim] float32 tensor");
   for (const auto* table : {&cos, &sin})
@@ -86,7 +93,7 @@ void rotary_cache_write(const at::Tensor& qkv, const at::Tensor& cos, const at::
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot ", slot[t], " is outside the cache's ", slots, " slots");
   with_cache_data(k_cache, v_cache, [&](auto* k, auto* v) {
-    rotary_cache_rows(x, cos.data_ptr<float>(), sin.data_ptr<float>(), k, v, slot, tokens, q_heads, kv_heads, slots, d, block_size, q_w, k_w, static_cast<float>(eps));
+    rotary_cache_rows(x, cos.data_ptr<float>(), sin.data_ptr<float>(), k, v, slot, tokens, q_heads, kv_heads, slots, d, width, block_size, q_w, k_w, static_cast<float>(eps));
   });
 }
 

@@ -84,11 +84,11 @@ class KVCacheAttention(nn.Module):
         self.cpu_kernel = False
 
     def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        """The model runner's pools, [num_kv_heads, num_slots, head_dim] each in kv_layout's block layout, updated
-        in place. Their dtype may be narrower than the activations' (bfloat16 or float16 on the fast path),
-        converted on the way in and out. Attention reads them through tokenloop's CPU kernel where it can run,
-        which gives each query row the same floats whatever else is in the call; elsewhere (a GPU) through SDPA
-        over a gathered copy."""
+        """The model runner's pools, [num_kv_heads, num_slots, width] each in kv_layout's block layout, updated
+        in place. Their dtype may be narrower than the activations' (bfloat16 or float16 on the fast path, or int8
+        with a scale per token and head), converted on the way in and out. Attention reads them through
+        tokenloop's CPU kernel where it can run, which gives each query row the same floats whatever else is in
+        the call; elsewhere (a GPU) through SDPA over a gathered copy."""
         self.k_cache, self.v_cache = k_cache, v_cache
         self.cpu_kernel = k_cache.device.type == "cpu" and kernels.attention_kernel_supports(
             k_cache.dtype, self.head_dim
@@ -136,14 +136,14 @@ class KVCacheAttention(nn.Module):
             mask = mask & (k_pos > q_pos - meta.window)
         # Padding queries keep key 0: no empty softmax row.
         mask = mask | (~mask.any(dim=-1, keepdim=True) & (k_pos == 0))
-        kv_heads, slots, d = self.k_cache.shape
+        kv_heads, slots, width = self.k_cache.shape
         # The sequences' whole blocks, then their rows: (B, num_kv_heads, K, head_dim).
         blocks = [
-            gather(c.view(kv_heads, slots // bs, bs * d), 1, meta.block_tables).view(kv_heads, -1, d)
+            gather(c.view(kv_heads, slots // bs, bs * width), 1, meta.block_tables).view(kv_heads, -1, width)
             for c in (self.k_cache, self.v_cache)
         ]
         keys, values = (
-            x.view(kv_heads, len(meta.block_tables), -1, d)[:, :, :num_k].to(q.dtype).transpose(0, 1)
+            x.view(kv_heads, len(meta.block_tables), -1, self.head_dim)[:, :, :num_k].to(q.dtype).transpose(0, 1)
             for x in kv_layout.rows(*blocks, bs)
         )
         queries = gather(q, 0, query_index).transpose(1, 2)  # (B, num_heads, Q, head_dim)

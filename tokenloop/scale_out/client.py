@@ -45,7 +45,7 @@ class ReplicaSetClient(Admission):
         self.inputs = remote_inputs(engine_config)
         self.input_threads = InputThreads()
         self.input_threads.submit(self.inputs.warm)
-        identity = block_identity(store.resolve(engine_config.model), engine_config.dtype, engine_config.kv_cache_dtype)
+        identity = block_identity(store.resolve(engine_config.model), engine_config.dtype, engine_config.kv_dtype)
         self.hasher = BlockHasher(engine_config.block_size, identity)
         self.metrics = EngineMetrics()
         r = self.metrics.registry

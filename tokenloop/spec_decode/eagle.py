@@ -28,6 +28,7 @@ from tokenloop.engine.block_manager import BlockManager
 from tokenloop.engine.model_runner import PagedBatch, zeroed_pool
 from tokenloop.engine.scheduler import ScheduledBatch
 from tokenloop.engine.sequence import Sequence
+from tokenloop.models import kv_layout
 from tokenloop.models.config import ModelConfig
 from tokenloop.models.eagle import DraftVocabHead, EagleHead, load_drafter
 from tokenloop.spec_decode.cost_model import StepCosts
@@ -92,7 +93,7 @@ class EagleProposer(Proposer):
         self.lm_head = DraftVocabHead(target, head.d2t)
         self.vocab_size = target.config.vocab_size
         attn = head.attention_layers()[0]
-        shape = (attn.num_kv_heads, num_blocks * block_size, attn.head_dim)
+        shape = (attn.num_kv_heads, num_blocks * block_size, kv_layout.width(attn.head_dim, kv_dtype))
         attn.bind_cache(zeroed_pool(shape, kv_dtype, self.device), zeroed_pool(shape, kv_dtype, self.device))
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.costs = StepCosts()  # one head forward (and its draw), by the sequences in it

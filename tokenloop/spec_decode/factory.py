@@ -31,7 +31,7 @@ def build_speculator(
             target.model,
             target.config,
             config.torch_dtype,
-            config.kv_cache_dtype,
+            config.kv_dtype,
             config.torch_device,
             num_blocks,
             config.block_size,
@@ -48,7 +48,7 @@ def build_speculator(
         proposer = DraftModelProposer.load(
             draft.model,
             draft.torch_dtype,
-            draft.kv_cache_dtype,
+            draft.kv_dtype,
             draft.dtype == "auto",
             draft.torch_device,
             vocab_size,
