@@ -44,7 +44,7 @@ constexpr int64_t kGroup = 16;      // consecutive keys per group: a block's key
 constexpr int64_t kQueryRows = 64;  // query rows (positions x query heads of a KV head) per work item
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Float32 vectors of 8 lanes (AVX2) and of 16 (AVX-512), loading float32 or float16 elements. Every lane
+// Float32 vectors of 8 lanes (AVX2) and of 16 (AVX-512), loading float32, float16 or int32 elements. Every lane
 // computes on its own (one key's score, one dimension's output), so both widths give the same floats.
 struct Lanes8 {
   using V = __m256;
@@ -53,7 +53,9 @@ struct Lanes8 {
   static V load(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static V set1(float x) { return _mm256_set1_ps(x); }
   static V zero() { return _mm256_setzero_ps(); }
+  static V load(const int32_t* p) { return _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
 };
@@ -66,7 +68,9 @@ struct Lanes16 {
   static V load(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static V set1(float x) { return _mm512_set1_ps(x); }
   static V zero() { return _mm512_setzero_ps(); }
+  static V load(const int32_t* p) { return _mm512_cvtepi32_ps(_mm512_loadu_si512(p)); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
 };
@@ -184,21 +188,21 @@ struct Int8Products {
   static int64_t query_elems(int64_t d) { return d / 2 + 1; }
   static constexpr int64_t kProbElems = kKeys / 2 + 1;
 
-  // x's n values (a multiple of 8) as int16 (pairs of them per uint32), x_i ~ q_i * scale, q_i = x_i / scale rounded
-  // half to even; the scale's bits after them.
+  // x's n values (a multiple of 8) as int16 (pairs of them per uint32), x_i ~ q_i * scale with scale = max |x| /
+  // 32767, q_i = x_i * (32767 / max |x|) rounded half to even; the scale's bits after them.
   static void to_int16(const float* x, int64_t n, uint32_t* out) {
     const __m256 sign = _mm256_set1_ps(-0.f);
     __m256 amax = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    const float scale = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))) / 32767.f;
+    const float top = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))), scale = top / 32767.f;
     int16_t* values = reinterpret_cast<int16_t*>(out);
-    if (scale > 0.f) {
-      const __m256 s = _mm256_set1_ps(scale);
+    if (top > 0.f) {
+      const __m256 inverse = _mm256_set1_ps(32767.f / top);
       for (int64_t i = 0; i < n; i += 8) {
-        const __m256 q = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m256i q32 = _mm256_cvtps_epi32(q);  // |q| <= 32767: no clamp needed
+        const __m256 q = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i q32 = _mm256_cvtps_epi32(q);  // |q| <= 32767 (+ a rounding): packs saturates
         _mm_storeu_si128(reinterpret_cast<__m128i*>(values + i), _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1)));
       }
     } else {
@@ -243,20 +247,19 @@ struct Int8Products {
       }
     }
 #endif
+    using L = WideLanes;
     for (int r = 0; r < kRows; ++r) {
-      const __m256 coefficient = _mm256_set1_ps(scale_of(q + r * qe, d / 2) * scale);
-      for (int64_t j = 0; j < kKeys; j += 8) {
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dots[r] + j)));
-        _mm256_storeu_ps(scores + r * kKeys + j, _mm256_mul_ps(_mm256_mul_ps(dot, coefficient), Lanes8::load(key_at(b.key_scales, j))));
-      }
+      const typename L::V coefficient = L::set1(scale_of(q + r * qe, d / 2) * scale);
+      for (int64_t j = 0; j < kKeys; j += L::kLanes)
+        L::store(scores + r * kKeys + j, L::mul(L::mul(L::load(dots[r] + j), coefficient), L::load(key_at(b.key_scales, j))));
     }
   }
 
   // The probabilities times their values' scales, as int16 pairs of keys and a scale.
   static void pack_probs(const float* x, const KeyBlock<int8_t>& b, PackedProbs* p) {
-    alignas(32) float scaled[kKeys];
-    for (int64_t j = 0; j < kKeys; j += 8)
-      _mm256_store_ps(scaled + j, _mm256_mul_ps(_mm256_loadu_ps(x + j), Lanes8::load(key_at(b.value_scales, j))));
+    using L = WideLanes;
+    alignas(64) float scaled[kKeys];
+    for (int64_t j = 0; j < kKeys; j += L::kLanes) L::store(scaled + j, L::mul(L::load(x + j), L::load(key_at(b.value_scales, j))));
     to_int16(scaled, kKeys, p);
   }
 
@@ -295,12 +298,12 @@ struct Int8Products {
       }
     }
 #endif
+    using L = WideLanes;
     for (int r = 0; r < kRows; ++r) {
-      const __m256 coefficient = _mm256_set1_ps(scale_of(p + r * kProbElems, kKeys / 2)), keep = _mm256_set1_ps(rescale[r]);
-      for (int64_t i = 0; i < kVectors * 16; i += 8) {
+      const typename L::V coefficient = L::set1(scale_of(p + r * kProbElems, kKeys / 2)), keep = L::set1(rescale[r]);
+      for (int64_t i = 0; i < kVectors * 16; i += L::kLanes) {
         float* y = out + r * d + dim0 + i;
-        const __m256 sum = _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sums[r] + i)));
-        _mm256_storeu_ps(y, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(y), keep), _mm256_mul_ps(sum, coefficient)));
+        L::store(y, L::add(L::mul(L::load(y), keep), L::mul(L::load(sums[r] + i), coefficient)));
       }
     }
   }
