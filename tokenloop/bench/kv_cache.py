@@ -5,7 +5,8 @@ What it measures, per KV cache dtype, each in a process of its own:
   in windows whose keys and values all come back through the cache;
 - the tokens a pool of the same memory holds;
 - single-stream decode after a long prompt (the step then reads as many bytes of cache as of weights) and after a
-  short one, the best of `repeats` rounds, the two caches taking turns;
+  short one: two engines in one process (compiled decode steps), taking turns for `rounds` rounds, each figure the
+  median (runs minutes apart in separate processes meet different spells of a shared machine);
 - greedy tokens on the float32 parity prompts (bench/parity_prompts.py), on the fast path and in float32 mode:
   how many prompts give the 16-bit (or float32) cache's tokens exactly.
 """
@@ -14,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
 
 from tokenloop.bench import record
 from tokenloop.bench.common import DEFAULT_PROMPT, build_compiled_package
+from tokenloop.bench.offline import PROMPT_TOKENS, _prefill_prompt
 
 KV_DTYPES = ("auto", "int8")
 POOL_GB = 1.0  # the pool whose tokens are counted
@@ -33,7 +36,8 @@ class KVBenchConfig:
     decode_tokens: int = 128
     perplexity_tokens: int = 8192
     perplexity_window: int = 2048
-    repeats: int = 3
+    rounds: int = 5
+    compile: bool = True
 
 
 @dataclass(slots=True)
@@ -48,8 +52,8 @@ class Quality:
 
 @dataclass(slots=True)
 class Speed:
-    long_decode_tps: float  # after long_prompt_tokens
-    short_decode_tps: float  # after DEFAULT_PROMPT
+    long_decode_tps: float  # after long_prompt_tokens, the median of the rounds
+    short_decode_tps: float  # after the offline bench's decode prompt
 
 
 def reference_text() -> str:
@@ -65,8 +69,11 @@ def _quality(cfg: KVBenchConfig, kv: str) -> Quality:
 
     greedy = SamplingParams(temperature=0, max_tokens=PARITY_TOKENS, ignore_eos=True)
 
-    def parity(llm: LLM) -> list[list[int]]:
-        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts(llm), greedy, use_tqdm=False)]
+    def parity(llm: LLM) -> list[list[int]]:  # the prompts that fit the model's context
+        fitting = [
+            p for p in prompts(llm) if len(p["prompt_token_ids"]) + PARITY_TOKENS <= llm.llm_engine.max_model_len
+        ]
+        return [list(o.outputs[0].token_ids) for o in llm.generate(fitting, greedy, use_tqdm=False)]
 
     llm = LLM(cfg.model, kv_cache_dtype=kv, kv_cache_gb=POOL_GB, enable_prefix_caching=False, compile=False)
     engine = llm.llm_engine
@@ -79,43 +86,51 @@ def _quality(cfg: KVBenchConfig, kv: str) -> Quality:
     return Quality(scored.perplexity, scored.num_scored_tokens, pool, dtype, fast, parity(exact))
 
 
-def _speed(cfg: KVBenchConfig, kv: str) -> Speed:
+def _speed(cfg: KVBenchConfig) -> dict[str, Speed]:
     from tokenloop import LLM, SamplingParams
-    from tokenloop.bench.offline import _prefill_prompt
     from tokenloop.engine.streaming import StreamStats, stream
 
-    llm = LLM(cfg.model, kv_cache_dtype=kv, enable_prefix_caching=False, compile=True)
-    engine, tok = llm.llm_engine, llm.get_tokenizer()
+    engines = {
+        kv: LLM(
+            cfg.model, kv_cache_dtype=kv, enable_prefix_caching=False, compile=cfg.compile, compile_in_background=False
+        ).llm_engine
+        for kv in KV_DTYPES
+    }
+    tok = engines["auto"].tokenizer
     params = SamplingParams(temperature=0, max_tokens=cfg.decode_tokens, ignore_eos=True)
 
-    def rate(prompt_ids: list[int]) -> float:
+    def rate(kv: str, prompt_ids: list[int]) -> float:
         stats = StreamStats()
-        for _ in stream(engine, {"prompt_token_ids": prompt_ids}, params, stats):
+        for _ in stream(engines[kv], {"prompt_token_ids": prompt_ids}, params, stats):
             pass
         return stats.decode_rate
 
     long_ids = _prefill_prompt(tok.encode, cfg.long_prompt_tokens)
-    rate(long_ids[:512])  # warm-up: first-use costs (fresh buffers, the allocator) stay out of the timed runs
-    return Speed(rate(long_ids), rate(tok.encode(DEFAULT_PROMPT)))
+    short_ids = tok.encode(DEFAULT_PROMPT)[:PROMPT_TOKENS]  # the offline bench's decode prompt
+    for kv in KV_DTYPES:  # warm-up: first-use costs (fresh buffers, the allocator) stay out of the timed runs
+        rate(kv, long_ids[:512])
+    runs = {kv: ([], []) for kv in KV_DTYPES}
+    for _ in range(cfg.rounds):
+        for kv in KV_DTYPES:
+            runs[kv][0].append(rate(kv, long_ids))
+            runs[kv][1].append(rate(kv, short_ids))
+    return {kv: Speed(statistics.median(long), statistics.median(short)) for kv, (long, short) in runs.items()}
 
 
-def _run(task: str, cfg: KVBenchConfig, kv: str) -> dict:
+def _run(task: str, cfg: KVBenchConfig, kv: str = "") -> dict:
     cmd = [sys.executable, "-m", "tokenloop.bench.kv_cache", task, kv, json.dumps(asdict(cfg))]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"the {kv} cache's {task} run failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+        raise RuntimeError(f"the {task} run failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def measure(cfg: KVBenchConfig) -> tuple[dict[str, Quality], dict[str, Speed]]:
-    for kv in KV_DTYPES:
-        build_compiled_package(cfg.model, "auto", kv)
+    if cfg.compile:
+        for kv in KV_DTYPES:
+            build_compiled_package(cfg.model, "auto", kv)
     quality = {kv: Quality(**_run("quality", cfg, kv)) for kv in KV_DTYPES}
-    rounds = [{kv: Speed(**_run("speed", cfg, kv)) for kv in KV_DTYPES} for _ in range(cfg.repeats)]
-    speed = {
-        kv: Speed(max(r[kv].long_decode_tps for r in rounds), max(r[kv].short_decode_tps for r in rounds))
-        for kv in KV_DTYPES
-    }
+    speed = {kv: Speed(**figures) for kv, figures in _run("speed", cfg).items()}
     return quality, speed
 
 
@@ -147,7 +162,7 @@ def format_report(cfg: KVBenchConfig, quality: dict[str, Quality], speed: dict[s
             f"{int8_speed.long_decode_tps / base_speed.long_decode_tps:.2f}x",
         ),
         (
-            "decode after a short prompt, tokens/s",
+            f"decode after a {PROMPT_TOKENS}-token prompt, tokens/s",
             f"{base_speed.short_decode_tps:.1f}",
             f"{int8_speed.short_decode_tps:.1f}",
             f"{int8_speed.short_decode_tps / base_speed.short_decode_tps:.2f}x",
@@ -162,8 +177,9 @@ def format_report(cfg: KVBenchConfig, quality: dict[str, Quality], speed: dict[s
         f"{agreeing('float32_parity_tokens')}"
     )
     lines.append(
-        f"Decode figures: the best of {cfg.repeats} rounds, the caches taking turns, each in a process of its own "
-        "(compiled decode step); perplexity on pydoc_data.topics, Python's documentation."
+        f"Decode figures: medians of {cfg.rounds} rounds, two engines in one process taking turns "
+        f"({'compiled' if cfg.compile else 'eager'} decode steps); perplexity on pydoc_data.topics, Python's "
+        "documentation."
     )
     return "\n".join(lines)
 
@@ -174,22 +190,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--perplexity-tokens", type=int, default=8192)
     parser.add_argument("--perplexity-window", type=int, default=2048)
-    parser.add_argument("--repeats", type=int, default=3, help="decode rounds; each figure is the best")
+    parser.add_argument("--rounds", type=int, default=5, help="decode rounds; each figure is the median")
     record.add_argument(parser)
 
 
 def main_from_args(args: argparse.Namespace) -> int:
     from tokenloop.models.store import resolve
 
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     cfg = KVBenchConfig(
         str(resolve(args.model)),
         args.long_prompt_tokens,
         args.decode_tokens,
         args.perplexity_tokens,
         args.perplexity_window,
-        args.repeats,
+        args.rounds,
     )
     report = format_report(cfg, *measure(cfg))
     print(report)
@@ -200,5 +216,8 @@ def main_from_args(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     task, kv, cfg_json = sys.argv[1:]
-    result = {"quality": _quality, "speed": _speed}[task](KVBenchConfig(**json.loads(cfg_json)), kv)
-    print(json.dumps(asdict(result)))
+    cfg = KVBenchConfig(**json.loads(cfg_json))
+    if task == "quality":
+        print(json.dumps(asdict(_quality(cfg, kv))))
+    else:
+        print(json.dumps({kv: asdict(speed) for kv, speed in _speed(cfg).items()}))
