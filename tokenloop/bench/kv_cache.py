@@ -5,8 +5,9 @@ What it measures, per KV cache dtype, each in a process of its own:
   in windows whose keys and values all come back through the cache;
 - the tokens a pool of the same memory holds;
 - single-stream decode after a long prompt (the step then reads as many bytes of cache as of weights) and after a
-  short one: two engines in one process (compiled decode steps), taking turns for `rounds` rounds, each figure the
-  median (runs minutes apart in separate processes meet different spells of a shared machine);
+  short one: two engines in one process (compiled decode steps), taking turns for `rounds` rounds (first one, then
+  the other), each figure the median (runs minutes apart in separate processes meet different spells of a shared
+  machine);
 - greedy tokens on the float32 parity prompts (bench/parity_prompts.py), on the fast path and in float32 mode:
   how many prompts give the 16-bit (or float32) cache's tokens exactly.
 """
@@ -110,8 +111,8 @@ def _speed(cfg: KVBenchConfig) -> dict[str, Speed]:
     for kv in KV_DTYPES:  # warm-up: first-use costs (fresh buffers, the allocator) stay out of the timed runs
         rate(kv, long_ids[:512])
     runs = {kv: ([], []) for kv in KV_DTYPES}
-    for _ in range(cfg.rounds):
-        for kv in KV_DTYPES:
+    for i in range(cfg.rounds):
+        for kv in KV_DTYPES if i % 2 == 0 else KV_DTYPES[::-1]:  # each goes first as often: no order effect
             runs[kv][0].append(rate(kv, long_ids))
             runs[kv][1].append(rate(kv, short_ids))
     return {kv: Speed(statistics.median(long), statistics.median(short)) for kv, (long, short) in runs.items()}
