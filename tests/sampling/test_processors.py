@@ -126,8 +126,10 @@ def test_masking_leaves_the_input_untouched():
 @given(data=st.data())
 def test_top_k_and_top_p_on_a_rows_few_largest_logits_equal_a_full_sort(data):
     """A row is settled on its CANDIDATES largest logits when they hold its top k and its nucleus, else on its
-    whole sorted row: the same masks (ties across the candidates' edge, k beyond them, p = 1 beside top-p rows)."""
+    whole sorted row: the same masks (ties across the candidates' edge, k beyond them, p = 1 beside top-p rows),
+    whether tokenloop's kernel or torch.topk selects the candidates."""
     import tokenloop.sampling.sampler as sampler
+    from tokenloop import kernels
 
     logits = data.draw(logits_rows(max_vocab=16))
     vocab = logits.shape[1]
@@ -136,14 +138,16 @@ def test_top_k_and_top_p_on_a_rows_few_largest_logits_equal_a_full_sort(data):
     k, p = torch.tensor(ks).clamp(max=vocab), torch.tensor(ps)
     use_k, use_p = data.draw(st.booleans()), data.draw(st.booleans())
     k, p = (k if use_k else None), (p if use_p else None)
-    full, original = None, sampler.CANDIDATES
+    full, original, available = None, sampler.CANDIDATES, kernels.cpu_kernels_available
     try:
         sampler.CANDIDATES = ()
         full = apply_top_k_top_p(logits, k, p)
         sampler.CANDIDATES = data.draw(st.sampled_from([(1,), (2, 5), (3,), (4, 8)]))
+        if data.draw(st.booleans()):
+            kernels.cpu_kernels_available = lambda: False  # torch.topk's candidates
         partial = apply_top_k_top_p(logits, k, p)
     finally:
-        sampler.CANDIDATES = original
+        sampler.CANDIDATES, kernels.cpu_kernels_available = original, available
     assert torch.equal(partial, full)
 
 

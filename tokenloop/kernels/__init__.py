@@ -10,6 +10,8 @@
   KV cache (laid out for it: kv_cache.h), each query row in one fixed order whatever the call: bfloat16 products
   on a bfloat16 cache (CPUs with AVX512-BF16), float32 on a float16 or float32 one, integer on an int8 one.
 - `rms_norm.cpp` normalises rows in one pass (eager PyTorch makes six).
+- `top_candidates.cpp` selects each row's k largest logits in a stable sort's order, for top-k and top-p
+  sampling, in one pass (torch.topk orders ties arbitrarily, and was most of a sampled step's sampling).
 - `rotary_cache.cpp` rotates queries and keys and writes keys and values into the cache in one pass (eager
   PyTorch makes about nine).
 

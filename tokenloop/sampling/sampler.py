@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenloop import kernels
 from tokenloop.sampling.params import SAMPLING_EPS, SamplingParams
 from tokenloop.sampling.processors import LogitControls, apply_processors
 
@@ -151,13 +152,7 @@ def _nucleus(
     probabilities (0 where top-k or top-p drop them), their ids, and which rows they settle (all, at full width)."""
     rows, vocab = logits.shape
     if width < vocab:
-        values, index = logits.topk(width + 1, dim=-1)  # [R, W + 1]; ties in no particular order
-        # A tie across the edge (the first token left out equal to the last one taken) could leave a lower id out.
-        settled = values[:, width - 1] != values[:, width]
-        values, index = values[:, :width], index[:, :width]
-        by_id = index.argsort(dim=-1)  # equal logits: the lower id first, as a stable sort of the row puts them
-        values, index = values.gather(-1, by_id), index.gather(-1, by_id)
-        index = index.gather(-1, values.argsort(dim=-1, descending=True, stable=True))
+        index, settled = _largest(logits, width)
     else:
         index = logits.argsort(dim=-1, descending=True, stable=True)
         settled = torch.ones(rows, dtype=torch.bool, device=logits.device)
@@ -178,6 +173,22 @@ def _nucleus(
     if width < vocab:
         settled &= within_k | (~k_on & reached)
     return mass / mass.sum(dim=-1, keepdim=True), index, settled
+
+
+def _largest(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ids of each row's `width` largest logits in the stable descending order (equal logits: the lower id
+    first), and the rows for which that is sure: tokenloop's kernel selects them so on the CPU; elsewhere topk
+    does, whose order among ties is arbitrary, so a tie across the edge leaves the row to a wider pass."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and kernels.cpu_kernels_available():
+        _, index = torch.ops.tokenloop.top_candidates(logits.contiguous(), width)
+        return index, torch.ones(len(logits), dtype=torch.bool, device=logits.device)
+    values, index = logits.topk(width + 1, dim=-1)  # [R, W + 1]; ties in no particular order
+    # A tie across the edge (the first token left out equal to the last one taken) could leave a lower id out.
+    settled = values[:, width - 1] != values[:, width]
+    values, index = values[:, :width], index[:, :width]
+    by_id = index.argsort(dim=-1)  # equal logits: the lower id first, as a stable sort of the row puts them
+    values, index = values.gather(-1, by_id), index.gather(-1, by_id)
+    return index.gather(-1, values.argsort(dim=-1, descending=True, stable=True)), settled
 
 
 ARGMAX_BLOCK = 1024
