@@ -112,7 +112,16 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Ten
 
 
 def top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
-    """Each row's distribution [B, V] after top-k, then top-p (zeros where removed).
+    """Each row's distribution [B, V] after top-k, then top-p (zeros where removed): top_k_top_p_support's."""
+    return top_k_top_p_support(logits, k, p)[0]
+
+
+def top_k_top_p_support(
+    logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's distribution [B, V] after top-k, then top-p (zeros where removed), and its support: the (row, id)
+    pairs of nonzero probability [N, 2] as probs.nonzero() lists them, found among the candidates (None when a row
+    keeps its whole distribution: then probs.nonzero() is the support).
 
     top-k keeps exactly k tokens; among equal logits the lower token id wins (as torch.argmax).
     top-p keeps the shortest prefix of the descending order (probabilities renormalised after top-k) whose mass
@@ -129,9 +138,11 @@ def top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | 
     if p is not None:
         active |= p < 1.0
     out = torch.zeros_like(probs)
-    if not active.all():
+    every_row_active = bool(active.all())
+    if not every_row_active:
         out[~active] = probs[~active]
     pending = active.nonzero().squeeze(1)
+    kept = []  # (rows, their candidates' ids, their probabilities), as each width settles rows
     for width in (*(c for c in CANDIDATES if c < vocab), vocab):
         if len(pending) == 0:
             break
@@ -139,10 +150,23 @@ def top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | 
         sub = (lambda t: t) if whole else (lambda t: t[pending] if t is not None else None)
         row_probs, index, settled = _nucleus(sub(logits), sub(probs), sub(k), sub(p), width)
         if whole and settled.all():
-            return out.scatter_(-1, index, row_probs)
+            kept.append((pending, index, row_probs))
+            out.scatter_(-1, index, row_probs)
+            break
+        kept.append((pending[settled], index[settled], row_probs[settled]))
         out[pending[settled].unsqueeze(1), index[settled]] = row_probs[settled]
         pending = pending[~settled]
-    return out
+    return out, _support(kept, vocab) if every_row_active else None
+
+
+def _support(kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], vocab: int) -> torch.Tensor:
+    """The (row, id) pairs of nonzero probability among the kept candidates, rows ascending, ids ascending."""
+    keys = []
+    for rows, index, row_probs in kept:
+        r, j = (row_probs > 0).nonzero(as_tuple=True)
+        keys.append(rows[r] * vocab + index[r, j])
+    key = torch.cat(keys).sort().values
+    return torch.stack([key // vocab, key % vocab], dim=1)
 
 
 def _nucleus(
@@ -223,12 +247,14 @@ def random_sample(probs: torch.Tensor, generators: list[torch.Generator | None])
 
 
 def exponential_race(
-    probs: torch.Tensor, generators: list[torch.Generator | None]
+    probs: torch.Tensor, generators: list[torch.Generator | None], support: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows [B, V] race their tokens of nonzero probability only (top-k, top-p and min-p leave few), in ascending
     id order, each drawing its q from its own generator (or the default one): a row's tokens do not depend on the
-    batch. Returns the winners [B], and the racing tokens as (row, id) pairs [N, 2] with their q [N]."""
-    support = probs.nonzero()  # [N, 2]: row by row, ids ascending
+    batch. `support`: those tokens if known (top_k_top_p_support's), else probs.nonzero() finds them. Returns the
+    winners [B], and the racing tokens as (row, id) pairs [N, 2] with their q [N]."""
+    if support is None:
+        support = probs.nonzero()  # [N, 2]: row by row, ids ascending
     rows, ids = support[:, 0], support[:, 1]
     q = torch.empty(len(ids), dtype=probs.dtype, device=probs.device)
     start = 0
@@ -266,7 +292,8 @@ class Sampler(torch.nn.Module):
 
     @staticmethod
     def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        sampled = random_sample(Sampler.probs(logits, batch), batch.generators)
+        probs, support = Sampler.distribution(logits, batch)
+        sampled = exponential_race(probs, batch.generators, support)[0]
         if batch.all_random:
             return sampled
         return torch.where(batch.temperature < SAMPLING_EPS, argmax(logits), sampled)
@@ -275,6 +302,11 @@ class Sampler(torch.nn.Module):
     def probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """[B, V]: the distribution each row samples from, after temperature, min-p, top-k and top-p (greedy rows:
         temperature 1; their draw is replaced by the argmax). Also what speculative decoding verifies against."""
+        return Sampler.distribution(logits, batch)[0]
+
+    @staticmethod
+    def distribution(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """probs(), and its support where top-k or top-p found it (top_k_top_p_support), else None."""
         is_greedy = batch.temperature < SAMPLING_EPS  # [B]
         # Greedy rows sample at temperature 1 (no division by 0).
         temperature = torch.where(is_greedy, 1.0, batch.temperature)
@@ -282,10 +314,10 @@ class Sampler(torch.nn.Module):
         if batch.any_min_p:
             scaled = apply_min_p(scaled, batch.min_p)
         if batch.any_top_k or batch.any_top_p:
-            return top_k_top_p(
+            return top_k_top_p_support(
                 scaled, batch.top_k if batch.any_top_k else None, batch.top_p if batch.any_top_p else None
             )
-        return scaled.softmax(dim=-1)
+        return scaled.softmax(dim=-1), None
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> SamplerOutput:
