@@ -221,4 +221,4 @@ if __name__ == "__main__":
     if task == "quality":
         print(json.dumps(asdict(_quality(cfg, kv))))
     else:
-        print(json.dumps({kv: asdict(speed) for kv, speed in _speed(cfg).items()}))
+        print(json.dumps({dtype: asdict(speed) for dtype, speed in _speed(cfg).items()}))

@@ -44,6 +44,13 @@ constexpr int64_t kGroup = 16;      // consecutive keys per group: a block's key
 constexpr int64_t kQueryRows = 64;  // query rows (positions x query heads of a KV head) per work item
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// The largest of v's 8 lanes.
+inline float max_of(__m256 v) {
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+}
+
 // Float32 vectors of 8 lanes (AVX2) and of 16 (AVX-512), loading float32, float16 or int32 elements. Every lane
 // computes on its own (one key's score, one dimension's output), so both widths give the same floats.
 struct Lanes8 {
@@ -194,9 +201,7 @@ struct Int8Products {
     const __m256 sign = _mm256_set1_ps(-0.f);
     __m256 amax = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    const float top = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))), scale = top / 32767.f;
+    const float top = max_of(amax), scale = top / 32767.f;
     int16_t* values = reinterpret_cast<int16_t*>(out);
     if (top > 0.f) {
       const __m256 inverse = _mm256_set1_ps(32767.f / top);
@@ -409,9 +414,7 @@ inline float mask_block(float* x, int64_t lo, int64_t hi) {
     _mm256_storeu_ps(x + j, v);
     max = _mm256_max_ps(max, v);
   }
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(max), _mm256_extractf128_ps(max, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  return max_of(max);
 }
 
 // One entry of the call: `count` query rows from flat row `row`, at positions first .. first + count - 1, whose

@@ -111,17 +111,18 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Ten
     return logits.masked_fill(top_k_top_p(logits, k, p) == 0, float("-inf"))
 
 
-def top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
-    """Each row's distribution [B, V] after top-k, then top-p (zeros where removed): top_k_top_p_support's."""
-    return top_k_top_p_support(logits, k, p)[0]
-
-
 def top_k_top_p_support(
     logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Each row's distribution [B, V] after top-k, then top-p (zeros where removed), and its support: the (row, id)
-    pairs of nonzero probability [N, 2] as probs.nonzero() lists them, found among the candidates (None when a row
-    keeps its whole distribution: then probs.nonzero() is the support).
+    """top_k_top_p's distribution and its support: the (row, id) pairs of nonzero probability [N, 2] as
+    probs.nonzero() lists them, found among the candidates (None when a row keeps its whole distribution: then
+    probs.nonzero() is the support)."""
+    out, kept = _top_k_top_p(logits, k, p)
+    return out, _support(kept, logits.shape[1]) if kept is not None else None
+
+
+def top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+    """Each row's distribution [B, V] after top-k, then top-p (zeros where removed).
 
     top-k keeps exactly k tokens; among equal logits the lower token id wins (as torch.argmax).
     top-p keeps the shortest prefix of the descending order (probabilities renormalised after top-k) whose mass
@@ -130,6 +131,14 @@ def top_k_top_p_support(
     `CANDIDATES` largest logits when they settle it (its k is within them and its nucleus ends within them), else on
     its whole sorted row: the same rule either way, and a row's path depends on its own logits only.
     """
+    return _top_k_top_p(logits, k, p)[0]
+
+
+def _top_k_top_p(
+    logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None]:
+    """top_k_top_p's distribution, and the candidates that settled each row (None when a row keeps its whole
+    distribution)."""
     probs = logits.softmax(dim=-1)
     rows, vocab = logits.shape
     active = torch.zeros(rows, dtype=torch.bool, device=logits.device)
@@ -156,7 +165,7 @@ def top_k_top_p_support(
         kept.append((pending[settled], index[settled], row_probs[settled]))
         out[pending[settled].unsqueeze(1), index[settled]] = row_probs[settled]
         pending = pending[~settled]
-    return out, _support(kept, vocab) if every_row_active else None
+    return out, kept if every_row_active else None
 
 
 def _support(kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], vocab: int) -> torch.Tensor:
@@ -292,7 +301,7 @@ class Sampler(torch.nn.Module):
 
     @staticmethod
     def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        probs, support = Sampler.distribution(logits, batch)
+        probs, support = Sampler.distribution(logits, batch, with_support=True)
         sampled = exponential_race(probs, batch.generators, support)[0]
         if batch.all_random:
             return sampled
@@ -302,11 +311,13 @@ class Sampler(torch.nn.Module):
     def probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """[B, V]: the distribution each row samples from, after temperature, min-p, top-k and top-p (greedy rows:
         temperature 1; their draw is replaced by the argmax). Also what speculative decoding verifies against."""
-        return Sampler.distribution(logits, batch)[0]
+        return Sampler.distribution(logits, batch, with_support=False)[0]
 
     @staticmethod
-    def distribution(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """probs(), and its support where top-k or top-p found it (top_k_top_p_support), else None."""
+    def distribution(
+        logits: torch.Tensor, batch: SamplingBatch, with_support: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """probs(), and with_support its support where top-k or top-p found it (top_k_top_p_support), else None."""
         is_greedy = batch.temperature < SAMPLING_EPS  # [B]
         # Greedy rows sample at temperature 1 (no division by 0).
         temperature = torch.where(is_greedy, 1.0, batch.temperature)
@@ -314,9 +325,8 @@ class Sampler(torch.nn.Module):
         if batch.any_min_p:
             scaled = apply_min_p(scaled, batch.min_p)
         if batch.any_top_k or batch.any_top_p:
-            return top_k_top_p_support(
-                scaled, batch.top_k if batch.any_top_k else None, batch.top_p if batch.any_top_p else None
-            )
+            k, p = batch.top_k if batch.any_top_k else None, batch.top_p if batch.any_top_p else None
+            return top_k_top_p_support(scaled, k, p) if with_support else (top_k_top_p(scaled, k, p), None)
         return scaled.softmax(dim=-1), None
 
 
