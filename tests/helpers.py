@@ -16,7 +16,8 @@ from tokenloop import LLM
 from tokenloop.engine.async_engine import AsyncEngine, AsyncEngineConfig
 from tokenloop.engine.block_manager import BlockManager
 from tokenloop.engine.config import EngineConfig
-from tokenloop.engine.model_runner import ModelRunner, kv_bytes_per_block
+from tokenloop.engine.kv_groups import kv_bytes_per_block, kv_cache_groups, kv_cache_windows
+from tokenloop.engine.model_runner import ModelRunner
 from tokenloop.engine.scheduler import ScheduledBatch
 from tokenloop.engine.sequence import Sequence
 from tokenloop.models.config import ModelConfig
@@ -35,15 +36,17 @@ def model_config(model: str | os.PathLike | None) -> ModelConfig:
 
 def engine_args_for(model: str | os.PathLike | None, kv_blocks: int | None = None, **engine_args) -> dict[str, Any]:
     """EngineConfig's fields (but the model) for a test engine: TEST_ENGINE, overridden by `engine_args` (any field,
-    speculative_config included). `kv_blocks`: a pool of that many KV blocks of this model, in place of kv_cache_gb
-    (too small for a batch: its sequences are preempted and recomputed)."""
+    speculative_config included). `kv_blocks`: a pool of that many KV blocks for each KV cache group of this model
+    (engine/kv_groups.py: the blocks of every layer), in place of kv_cache_gb (too small for a batch: its sequences
+    are preempted and recomputed)."""
     args = TEST_ENGINE | engine_args
     if kv_blocks is not None:
         if "kv_cache_gb" in engine_args:
             raise TypeError("kv_blocks or kv_cache_gb, not both")
         config = EngineConfig(model=None if model is None else os.fspath(model), **args)
         block_bytes = kv_bytes_per_block(model_config(model), config.block_size, config.kv_dtype)
-        args["kv_cache_gb"] = (kv_blocks + 0.5) * block_bytes / 2**30
+        num_blocks = kv_blocks * len(kv_cache_groups(model_config(model)))
+        args["kv_cache_gb"] = (num_blocks + 0.5) * block_bytes / 2**30
     return args
 
 
@@ -102,20 +105,21 @@ def forward_in_chunks(
     """
     assert sum(chunks) == len(token_ids)
     layers = loaded.model.attention_layers()
-    saved = [(a.k_cache, a.v_cache) for a in layers]
+    saved = [(a.k_cache, a.v_cache, a.kv_group, a.kv_pool) for a in layers]
     try:
         return _forward(loaded, token_ids, chunks, block_size)
     finally:
-        for a, (k, v) in zip(layers, saved):
-            a.bind_cache(k, v)
+        for a, binding in zip(layers, saved):
+            a.bind_cache(*binding)
 
 
 def _forward(loaded: LoadedModel, token_ids: list[int], chunks: list[int], block_size: int) -> torch.Tensor:
-    num_blocks = -(-len(token_ids) // block_size) + 1
+    windows = kv_cache_windows(loaded.config)
+    num_blocks = (-(-len(token_ids) // block_size) + 1) * len(windows)
     dtype = loaded.model.norm.weight.dtype  # the activation dtype (a fast-path embedding may be bfloat16)
     device = next(loaded.model.parameters()).device
     runner = ModelRunner(loaded.model, loaded.config, num_blocks, block_size, dtype, device)
-    blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+    blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False, windows=windows)
     # A sequence that scores its prompt asks the runner for the logits of every position (the seam that
     # prompt logprobs, perplexity and speculative verification use).
     seq = Sequence("test", list(token_ids), len(token_ids), SamplingParams(prompt_logprobs=0), score_prompt=True)

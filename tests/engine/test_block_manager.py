@@ -124,8 +124,8 @@ def test_a_fork_that_recomputes_the_last_prompt_token_copies_the_full_cached_blo
     child = seq(range(8), "c")
     m.fork(parent, child, 7)
     child.num_computed_tokens = 7  # n > 1: position 7 again, to sample its own first token
-    assert child.num_hashed_blocks == 1 and m.allocate(child, 8) and child.block_table == [0, 2]
-    assert m.take_copies() == [(1, 2)] and child.num_hashed_blocks == 1
+    assert len(child.block_hashes) == 1 and m.allocate(child, 8) and child.block_table == [0, 2]
+    assert m.take_copies() == [(1, 2)] and len(child.block_hashes) == 1
     child.num_computed_tokens = 8
     m.cache_full_blocks(child)  # the same tokens: the cache keeps the parent's block
     assert m.cached[m.blocks[1].hash] == 1 and m.blocks[2].hash == m.blocks[1].hash
@@ -141,7 +141,7 @@ def test_a_fork_inside_a_full_cached_block_copies_it_even_once_the_parent_let_it
     child = seq([0, 1, 2, 3, 4, 5, 99], "c")  # the parent's first 6 tokens, then its own: a fork at position 6
     m.fork(parent, child, 6)
     child.num_computed_tokens = 6
-    assert child.block_table == [0, 1] and child.num_hashed_blocks == 1
+    assert child.block_table == [0, 1] and len(child.block_hashes) == 1
     m.free(parent)  # block 1 is the child's alone now, but the cache still lists it under tokens 4..7
     assert m.blocks_needed(child, 7) == 1 and m.allocate(child, 7) and child.block_table == [0, 2]
     assert m.take_copies() == [(1, 2)] and m.blocks[1].ref_count == 0 and 1 in m.free_queue

@@ -17,6 +17,7 @@ from tokenloop import kernels
 from tokenloop.engine import compiled_decode
 from tokenloop.engine.block_manager import BlockManager
 from tokenloop.engine.config import EngineConfig
+from tokenloop.engine.kv_groups import kv_cache_groups, kv_cache_windows
 from tokenloop.engine.model_runner import ModelRunner
 from tokenloop.engine.scheduler import ScheduledBatch
 from tokenloop.engine.sequence import Sequence
@@ -39,13 +40,20 @@ def runner_for(path, compile: bool) -> ModelRunner:
     loaded = load_model(path, torch.float32, torch.device("cpu"), load_tokenizer=False, keep_quantized=True)
     # The KV cache's dtype of the engine's fast path (bfloat16 or float16, by the CPU).
     kv_dtype = EngineConfig(device="cpu").kv_dtype
-    return ModelRunner(loaded.model, loaded.config, NUM_BLOCKS, BLOCK_SIZE, kv_dtype, torch.device("cpu"), compile)
+    num_blocks = NUM_BLOCKS * len(kv_cache_groups(loaded.config))  # NUM_BLOCKS for each KV cache group
+    return ModelRunner(loaded.model, loaded.config, num_blocks, BLOCK_SIZE, kv_dtype, torch.device("cpu"), compile)
+
+
+def blocks_for(runner: ModelRunner) -> BlockManager:
+    """A block manager of the runner's pool, with a block table per KV cache group of its model."""
+    num_blocks = runner.k_pools[0].shape[1] // BLOCK_SIZE
+    return BlockManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=False, windows=kv_cache_windows(runner.config))
 
 
 def greedy(runner: ModelRunner, prompts: list[list[int]], steps: int = STEPS, forced: list[list[int]] | None = None):
     """Prefill every prompt in one step, then decode them together: one new token per sequence per step.
     Returns each sequence's tokens and logits; with `forced`, those tokens are appended instead of the sampled."""
-    blocks = BlockManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=False)
+    blocks = blocks_for(runner)
     seqs = [Sequence(f"s{i}", list(p), len(p), SamplingParams(temperature=0)) for i, p in enumerate(prompts)]
     logits: list[list[torch.Tensor]] = [[] for _ in seqs]
     compute_logits = runner.model.compute_logits
@@ -91,7 +99,7 @@ def assert_verify_step_runs_the_package_to_decode_logits(runner: ModelRunner, pa
         seq.num_computed_tokens = len(prompt) - 1
         return seq
 
-    blocks = BlockManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=False)
+    blocks = blocks_for(runner)
     one_by_one = prefilled("a", blocks)
     expected = []
     for token in [None, *draft]:

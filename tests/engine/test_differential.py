@@ -696,12 +696,16 @@ def test_forked_completions_and_beams_are_the_same_whatever_the_scheduling(
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix cache", "no prefix cache"])
+@pytest.mark.parametrize(
+    "engine_args", [{}, {"kv_blocks": 6, "max_num_batched_tokens": 16}], ids=["roomy pool", "blocks given back"]
+)
 def test_sliding_window_layers_give_a_request_alone_the_tokens_it_gets_inside_a_batch_of_32(
-    make_llm, tiny_gemma3_folder, prefix_caching
+    make_llm, tiny_gemma3_folder, prefix_caching, engine_args
 ):
     """Gemma 3's per-layer windows (8 tokens, the prompts cross several): batch composition, shared prefixes
-    and long prompt chunks (attended in window pieces) change no token."""
-    llm = make_llm(tiny_gemma3_folder, enable_prefix_caching=prefix_caching)
+    and long prompt chunks (attended in window pieces) change no token; nor does a pool that holds the sequences
+    only because the sliding layers' KV cache groups give back the blocks behind their windows (preempting)."""
+    llm = make_llm(tiny_gemma3_folder, enable_prefix_caching=prefix_caching, **engine_args)
     batch = (PROMPTS * 6)[:32]
     together = llm.generate(batch, PARAMS, use_tqdm=False)
     alone = {p: llm.generate(p, PARAMS, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS}
@@ -711,3 +715,4 @@ def test_sliding_window_layers_give_a_request_alone_the_tokens_it_gets_inside_a_
     assert (
         min(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in together) > 2 * window
     )  # decodes cross windows
+    assert llm.llm_engine.block_manager.num_released_blocks > 0

@@ -167,7 +167,7 @@ def test_the_engine_keeps_no_tensor_state_between_requests(tiny_llm):
 
 def test_a_pool_too_small_for_the_batch_preempts_and_loses_nothing(tiny_llm, tiny_model_folder):
     from tokenloop import LLM
-    from tokenloop.engine.model_runner import kv_bytes_per_block
+    from tokenloop.engine.kv_groups import kv_bytes_per_block
 
     engine = tiny_llm.llm_engine
     block_bytes = kv_bytes_per_block(engine.model_config, engine.config.block_size, torch.float32)

@@ -21,21 +21,21 @@ def test_each_sequence_attends_as_one_entry_whatever_its_phase(tiny_model_folder
     runner = ModelRunner(
         loaded.model, loaded.config, num_blocks=8, block_size=16, kv_dtype=torch.float32, device=torch.device("cpu")
     )
-    decoding = Sequence("a", [5, 6, 7, 8, 9, 10], 5, SamplingParams(), num_computed_tokens=5, block_table=[0, 1])
-    prompt = Sequence("b", [11, 12, 13, 14, 15], 5, SamplingParams(), num_computed_tokens=1, block_table=[2, 3])
-    other = Sequence("c", [1, 2, 3], 2, SamplingParams(), num_computed_tokens=2, block_table=[4])
+    decoding = Sequence("a", [5, 6, 7, 8, 9, 10], 5, SamplingParams(), num_computed_tokens=5, block_tables=[[0, 1]])
+    prompt = Sequence("b", [11, 12, 13, 14, 15], 5, SamplingParams(), num_computed_tokens=1, block_tables=[[2, 3]])
+    other = Sequence("c", [1, 2, 3], 2, SamplingParams(), num_computed_tokens=2, block_tables=[[4]])
     inp = runner.prepare(ScheduledBatch([decoding, prompt, other], [1, 4, 1]))
 
     assert not inp.decode_only
     assert inp.positions.tolist() == [5, 1, 2, 3, 4, 2]
-    assert inp.meta.slot_mapping.tolist() == [5, 33, 34, 35, 36, 66]
+    assert inp.meta.slot_mapping.tolist() == [[5, 33, 34, 35, 36, 66]]  # one KV cache group
     meta = inp.meta
     assert (
         meta.query_start.tolist() == [0, 1, 5]
         and meta.query_count.tolist() == [1, 4, 1]
         and meta.first_position.tolist() == [5, 1, 2]
     )
-    assert meta.block_tables.tolist() == [[0, 1], [2, 3], [4, 0]] and meta.block_size == 16  # padding blocks: 0
+    assert meta.block_tables.tolist() == [[[0, 1], [2, 3], [4, 0]]] and meta.block_size == 16  # padding blocks: 0
     assert inp.sample_seq_indices == [0, 1, 2] and inp.logit_rows.tolist() == [0, 4, 5]
     assert meta.windowed(3).window == 3 and meta.window is None
     assert runner.prepare(ScheduledBatch([decoding, other], [1, 1])).decode_only
@@ -56,9 +56,9 @@ def test_the_sdpa_path_gives_the_kernels_attention(tiny_model_folder, window, kv
     rows = [torch.randn(attn.num_kv_heads, 8 * 16, attn.head_dim, generator=gen) for _ in range(2)]
     for cache, filled in zip((attn.k_cache, attn.v_cache), kv_layout.from_rows(*rows, 16, kv_dtype)):
         cache.copy_(filled)
-    decoding = Sequence("a", [5, 6, 7, 8, 9, 10], 5, SamplingParams(), num_computed_tokens=5, block_table=[0, 1])
-    long = Sequence("c", list(range(20, 27)), 7, SamplingParams(), num_computed_tokens=2, block_table=[2, 3])
-    fresh = Sequence("d", [11, 12, 13, 14, 15], 5, SamplingParams(), block_table=[5, 6])
+    decoding = Sequence("a", [5, 6, 7, 8, 9, 10], 5, SamplingParams(), num_computed_tokens=5, block_tables=[[0, 1]])
+    long = Sequence("c", list(range(20, 27)), 7, SamplingParams(), num_computed_tokens=2, block_tables=[[2, 3]])
+    fresh = Sequence("d", [11, 12, 13, 14, 15], 5, SamplingParams(), block_tables=[[5, 6]])
     meta = runner.prepare(ScheduledBatch([decoding, long, fresh], [1, 5, 2])).meta
     meta = meta if window is None else meta.windowed(window)
     q = torch.randn(8, attn.num_heads, attn.head_dim, generator=gen)
@@ -77,9 +77,9 @@ def test_a_scored_prompt_asks_for_the_logits_of_each_position_and_its_last_row_s
     runner = ModelRunner(
         loaded.model, loaded.config, num_blocks=8, block_size=16, kv_dtype=torch.float32, device=torch.device("cpu")
     )
-    decoding = Sequence("a", [5, 6, 7, 8, 9, 10], 5, SamplingParams(), num_computed_tokens=5, block_table=[0, 1])
+    decoding = Sequence("a", [5, 6, 7, 8, 9, 10], 5, SamplingParams(), num_computed_tokens=5, block_tables=[[0, 1]])
     scored = Sequence(
-        "b", [11, 12, 13, 14, 15, 16], 6, SamplingParams(prompt_logprobs=2), block_table=[2, 3], score_prompt=True
+        "b", [11, 12, 13, 14, 15, 16], 6, SamplingParams(prompt_logprobs=2), block_tables=[[2, 3]], score_prompt=True
     )
     first = runner.prepare(ScheduledBatch([decoding, scored], [1, 4]))  # a chunk: positions 0..3 score tokens 1..4
     assert [(s.seq_index, s.start, s.first_position, s.count, s.samples) for s in first.spans] == [

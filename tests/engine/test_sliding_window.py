@@ -66,7 +66,7 @@ def test_chunked_prefill_batched_with_decodes(make_llm, tiny_gemma3_folder, refe
 
 def test_preempted_and_recomputed(make_llm, tiny_gemma3_folder, reference):
     """A pool too small for the batch: sequences are preempted and their windows recomputed."""
-    llm = make_llm(tiny_gemma3_folder, kv_blocks=9)  # the longest sequence needs 5 blocks: two cannot run together
+    llm = make_llm(tiny_gemma3_folder, kv_blocks=5)  # the longest prompt takes 4 blocks of each layer: two cannot
     check(llm.generate(requests(), PARAMS, use_tqdm=False), reference)
     assert llm.llm_engine.scheduler.num_preemptions > 0
 
@@ -83,13 +83,17 @@ def test_speculative_decoding_verifies_across_the_window(make_llm, tiny_gemma3_f
     assert llm.llm_engine.speculator.stats.num_accepted_tokens > 0
 
 
-def test_the_idle_kv_of_sliding_layers_is_the_blocks_wholly_outside_their_window(make_llm, tiny_gemma3_folder):
-    from tokenloop.engine.model_runner import sliding_window_idle_bytes
-
-    config = make_llm(tiny_gemma3_folder).llm_engine.model_config
-    sliding = sum(config.layer_window(i) is not None for i in range(config.num_layers))
-    assert config.sliding_window == 8 and 0 < sliding < config.num_layers
-    per_block = 2 * 16 * config.num_kv_heads * config.head_dim * 2  # float16 K and V of one block in one layer
-    # 24 tokens, window 8: positions 0..15 are outside it, one whole block; 23 tokens: 0..14, no whole block.
-    assert sliding_window_idle_bytes(config, 16, torch.float16, [24, 23]) == sliding * per_block
-    assert sliding_window_idle_bytes(config, 16, torch.float16, [100]) == sliding * 5 * per_block  # 0..91: blocks 0-4
+def test_sliding_layers_give_back_their_blocks_and_a_long_sequence_fits_a_small_pool(make_llm, tiny_gemma3_folder):
+    """The 60-token prompt and 40 greedy tokens, 16 tokens a step, in 36 one-layer blocks (6 per layer): the full
+    layer holds 7 and each of the 5 sliding layers (their own KV cache groups) its window, where holding every block
+    in every group would take 42. The tokens are a roomy pool's, nothing preempted."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    small = make_llm(tiny_gemma3_folder, kv_blocks=6, max_num_batched_tokens=16)
+    roomy = make_llm(tiny_gemma3_folder)
+    prompt = {"prompt_token_ids": _ids}
+    [got], [want] = small.generate(prompt, params, use_tqdm=False), roomy.generate(prompt, params, use_tqdm=False)
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    engine = small.llm_engine
+    assert engine.scheduler.num_preemptions == 0
+    # 99 tokens computed: each sliding group gave back the blocks of positions before 99 - 8 - 16 + 1 = 76.
+    assert engine.block_manager.num_released_blocks == 5 * (76 // 16)

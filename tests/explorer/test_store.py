@@ -23,7 +23,7 @@ class FakeEngine:
         self.released: list[str] = []
 
     def retained(self, request_id: str):
-        return SimpleNamespace(block_table=self.tables[request_id])
+        return SimpleNamespace(block_tables=[self.tables[request_id]])
 
     async def call(self, fn):
         return fn(self)

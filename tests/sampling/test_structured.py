@@ -33,7 +33,7 @@ def test_outputs_match_the_grammar_and_end(tiny_llm):
 
 
 def test_a_structured_row_alone_equals_it_in_a_batch_of_32_and_after_preemption(tiny_llm, tiny_model_folder):
-    from tokenloop.engine.model_runner import kv_bytes_per_block
+    from tokenloop.engine.kv_groups import kv_bytes_per_block
 
     params = SamplingParams(
         temperature=0.9, seed=11, max_tokens=24, structured_outputs=StructuredOutputsParams(regex=r"[a-z ]{10,20}\.")

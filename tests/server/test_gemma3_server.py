@@ -1,7 +1,7 @@
 """`tokenloop serve` on the real Gemma 3 270M (Q4_K_M, the fast path, eager) talked to with the `openai` client:
 a chat completion through Gemma's builtin chat template, a stream that reassembles to the non-streamed greedy
 text, a prompt longer than the 512-token sliding window answered with the tokens and logprobs the offline LLM
-gives it, and /metrics counting the KV bytes of sliding layers left outside their window while it runs.
+gives it, and /metrics counting the KV blocks sliding layers give back once they fall behind their window.
 
 The server's replies equal the offline engine's cold run token for token and logprob for logprob, bit for bit,
 before and after the prefix cache serves most of the prompt: a request's floats do not depend on how its prefill
@@ -13,7 +13,6 @@ import pytest
 
 from tests.server.conftest import start_server, stop_server
 from tokenloop import LLM, SamplingParams
-from tokenloop.engine.model_runner import sliding_window_idle_bytes
 
 pytestmark = pytest.mark.real_model
 
@@ -100,22 +99,23 @@ def test_a_prompt_longer_than_the_window_gets_the_offline_tokens_before_and_afte
         assert reply.choices[0].text == c.text
 
 
-def test_metrics_count_the_kv_of_sliding_layers_outside_their_window_while_a_long_prompt_runs(server, offline):
-    """Read while the request decodes (the gauge counts running sequences). Each sliding layer (15 of 18) holds
-    the blocks of positions more than 512 behind the newest token, never to read them again."""
+def test_metrics_count_the_blocks_sliding_layers_give_back_while_a_long_prompt_runs(server, offline):
+    """Read while the request decodes. Each of the 5 groups of sliding layers (15 of 18 layers) gives back the
+    blocks wholly more than 512 positions and one block behind the newest computed token; the full layers keep
+    theirs."""
     prompt_tokens = len(offline.get_tokenizer().encode(long_prompt(24)))
+    name = "tokenloop_kv_cache_window_released_blocks_total"
+    before = server.metrics()[name]
     stream = server.client().completions.create(
         model=NAME, prompt=long_prompt(24), temperature=0, max_tokens=64, stream=True, extra_body={"ignore_eos": True}
     )
     chunks = iter(stream)
     # Two tokens in: the server reads the engine's state after delivering a step's tokens, so the state after the
-    # first step (the prompt cached, the request running) is in the gauge by now, and 62 steps are still to run.
+    # first step (the prompt computed, the request running) is in the counter by now, and 62 steps are still to run.
     next(chunks), next(chunks)
-    idle = server.metrics()["tokenloop_kv_cache_sliding_window_idle_bytes"]
+    released = server.metrics()[name] - before
     for _ in chunks:
         pass
-    config, engine = offline.llm_engine.model_config, offline.llm_engine.config  # the server's: the same defaults
-    lengths = range(prompt_tokens, prompt_tokens + 65)
-    assert idle > 0 and idle in {
-        sliding_window_idle_bytes(config, engine.block_size, engine.kv_dtype, [n]) for n in lengths
-    }
+    block_size, window = offline.llm_engine.config.block_size, 512
+    computed = range(prompt_tokens, prompt_tokens + 65)
+    assert released > 0 and released in {5 * ((n - window - block_size + 1) // block_size) for n in computed}

@@ -55,6 +55,8 @@ class Quality:
 class Speed:
     long_decode_tps: float  # after long_prompt_tokens, the median of the rounds
     short_decode_tps: float  # after the offline bench's decode prompt
+    long_kv_mib: float  # the KV blocks the long request held at its end
+    long_kv_every_layer_mib: float  # what it would hold with every layer keeping every block
 
 
 def reference_text() -> str:
@@ -80,7 +82,7 @@ def _quality(cfg: KVBenchConfig, kv: str) -> Quality:
     engine = llm.llm_engine
     scored = perplexity(llm, reference_text(), window=cfg.perplexity_window, max_tokens=cfg.perplexity_tokens)
     fast = parity(llm)
-    pool = engine.block_manager.num_blocks * engine.config.block_size
+    pool = engine.config.kv_cache_tokens(engine.model_config)
     dtype = str(engine.config.kv_dtype).removeprefix("torch.")
     del llm, engine
     exact = LLM(cfg.model, dtype="float32", kv_cache_dtype=kv, enable_prefix_caching=False, compile=False)
@@ -89,6 +91,7 @@ def _quality(cfg: KVBenchConfig, kv: str) -> Quality:
 
 def _speed(cfg: KVBenchConfig) -> dict[str, Speed]:
     from tokenloop import LLM, SamplingParams
+    from tokenloop.engine.kv_groups import kv_bytes_per_block, kv_cache_groups
     from tokenloop.engine.streaming import StreamStats, stream
 
     engines = {
@@ -100,11 +103,21 @@ def _speed(cfg: KVBenchConfig) -> dict[str, Speed]:
     tok = engines["auto"].tokenizer
     params = SamplingParams(temperature=0, max_tokens=cfg.decode_tokens, ignore_eos=True)
 
+    held = {kv: 0 for kv in KV_DTYPES}  # the most blocks in use, read between steps
+    computed = {kv: 0 for kv in KV_DTYPES}  # the most tokens with K/V in the cache, read alike
+
     def rate(kv: str, prompt_ids: list[int]) -> float:
-        stats = StreamStats()
-        for _ in stream(engines[kv], {"prompt_token_ids": prompt_ids}, params, stats):
-            pass
+        stats, engine = StreamStats(), engines[kv]
+        for _ in stream(engine, {"prompt_token_ids": prompt_ids}, params, stats):
+            held[kv] = max(held[kv], engine.block_manager.num_used_blocks)
+            computed[kv] = max([computed[kv]] + [seq.num_computed_tokens for seq in engine.scheduler.running])
         return stats.decode_rate
+
+    def mib(kv: str, blocks: int) -> float:
+        engine = engines[kv]
+        return (
+            blocks * kv_bytes_per_block(engine.model_config, engine.config.block_size, engine.config.kv_dtype) / 2**20
+        )
 
     long_ids = _prefill_prompt(tok.encode, cfg.long_prompt_tokens)
     short_ids = tok.encode(DEFAULT_PROMPT)[:PROMPT_TOKENS]  # the offline bench's decode prompt
@@ -113,9 +126,19 @@ def _speed(cfg: KVBenchConfig) -> dict[str, Speed]:
     runs = {kv: ([], []) for kv in KV_DTYPES}
     for i in range(cfg.rounds):
         for kv in KV_DTYPES if i % 2 == 0 else KV_DTYPES[::-1]:  # each goes first as often: no order effect
+            held[kv] = computed[kv] = 0
             runs[kv][0].append(rate(kv, long_ids))
             runs[kv][1].append(rate(kv, short_ids))
-    return {kv: Speed(statistics.median(long), statistics.median(short)) for kv, (long, short) in runs.items()}
+    groups, block_size = len(kv_cache_groups(engines["auto"].model_config)), engines["auto"].config.block_size
+    return {
+        kv: Speed(
+            statistics.median(long),
+            statistics.median(short),
+            mib(kv, held[kv]),
+            mib(kv, -(-computed[kv] // block_size) * groups),
+        )
+        for kv, (long, short) in runs.items()
+    }
 
 
 def _run(task: str, cfg: KVBenchConfig, kv: str = "") -> dict:
@@ -163,6 +186,12 @@ def format_report(cfg: KVBenchConfig, quality: dict[str, Quality], speed: dict[s
             f"{int8_speed.long_decode_tps / base_speed.long_decode_tps:.2f}x",
         ),
         (
+            f"KV held by the {cfg.long_prompt_tokens}-token request, MiB",
+            f"{base_speed.long_kv_mib:.1f}",
+            f"{int8_speed.long_kv_mib:.1f}",
+            f"{int8_speed.long_kv_mib / base_speed.long_kv_mib:.2f}x",
+        ),
+        (
             f"decode after a {PROMPT_TOKENS}-token prompt, tokens/s",
             f"{base_speed.short_decode_tps:.1f}",
             f"{int8_speed.short_decode_tps:.1f}",
@@ -176,6 +205,11 @@ def format_report(cfg: KVBenchConfig, quality: dict[str, Quality], speed: dict[s
         f"greedy tokens ({PARITY_TOKENS}) on the parity prompts equal to the {base.cache_dtype} cache's: "
         f"{agreeing('parity_tokens')}; in float32 mode, equal to the float32 cache's: "
         f"{agreeing('float32_parity_tokens')}"
+    )
+    lines.append(
+        f"KV held: the most blocks in use between steps (every layer keeping every block: "
+        f"{base_speed.long_kv_every_layer_mib:.1f} / {int8_speed.long_kv_every_layer_mib:.1f} MiB; sliding-window "
+        "layers give back the blocks behind their window)."
     )
     lines.append(
         f"Decode figures: medians of {cfg.rounds} rounds, two engines in one process taking turns "

@@ -87,7 +87,7 @@ def requests(model: str, load: RouteLoad) -> list[list[int]]:
 def kv_cache_gb(model: str, load: RouteLoad) -> float:
     """Each replica's KV cache: half the tenants' system prompts, and room for its running requests."""
     from tokenloop.engine.config import EngineConfig
-    from tokenloop.engine.model_runner import kv_bytes_per_block
+    from tokenloop.engine.kv_groups import kv_bytes_per_block
     from tokenloop.models.loader import load_config
 
     config = EngineConfig(model=model)

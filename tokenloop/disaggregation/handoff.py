@@ -24,10 +24,11 @@ from tokenloop.engine.shared_pools import map_pool, pool_paths
 @dataclass(frozen=True, slots=True)
 class KVHandoff:
     """What a decode worker needs to take a prompt's blocks from a prefill worker: the name of its pools and,
-    for each full block of the prompt in order, (chain hash, block id in those pools)."""
+    for each full block of the prompt it holds, (KV cache group, index in the prompt, chain hash, block id in
+    those pools)."""
 
     pools: str
-    blocks: list[tuple[int, int]]
+    blocks: list[tuple[int, int, int, int]]
 
 
 @dataclass(slots=True)
@@ -61,8 +62,8 @@ class PeerPools:
 
 
 def own_pools(engine: LLMEngine) -> list[torch.Tensor]:
-    """The engine's KV pools in the order engine/shared_pools.py names them: each layer's K, then its V."""
-    return [pool for attn in engine.runner.model.attention_layers() for pool in (attn.k_cache, attn.v_cache)]
+    """The engine's KV pools in the order engine/shared_pools.py names them: each pool's K, then its V."""
+    return [pool for pair in zip(engine.runner.k_pools, engine.runner.v_pools) for pool in pair]
 
 
 def take_blocks(
@@ -74,19 +75,21 @@ def take_blocks(
     manager: BlockManager = engine.block_manager
     size = manager.block_size
     stats, wanted = HandoffStats(), []
-    for i, (block_hash, source) in enumerate(handoff.blocks):
+    for group, i, block_hash, source in handoff.blocks:
         tokens = tuple(token_ids[i * size : (i + 1) * size])
-        if manager.holds(block_hash, tokens, extra):
+        if manager.holds(group, block_hash, tokens, extra):
             stats.skipped += 1
         else:
-            wanted.append((block_hash, tokens, source))
+            wanted.append((group, block_hash, tokens, source))
     # Each adoption takes the first free block; past the free blocks that are not this prompt's, it would evict
     # one of the blocks just taken or kept (the chain then breaks there: the request computes the rest itself).
     held_free = sum(
-        1 for h, _ in handoff.blocks if (b := manager.cached.get(h)) is not None and b in manager.free_queue
+        1
+        for g, _, h, _ in handoff.blocks
+        if (b := manager.cached_by_group[g].get(h)) is not None and b in manager.free_queue
     )
     wanted = wanted[: max(manager.num_free_blocks - held_free, 0)]
-    pairs = [(source, manager.adopt(block_hash, tokens, extra)) for block_hash, tokens, source in wanted]
+    pairs = [(source, manager.adopt(*block, extra)) for *block, source in wanted]
     if pairs:
         mine = own_pools(engine)
         theirs = peers.get(handoff.pools, mine)

@@ -30,6 +30,7 @@ class Block:
     hash: int | None = None  # set once the block is full and its K/V computed
     token_ids: tuple[int, ...] = ()
     extra: bytes = b""  # the extra key it was hashed with (its sequence's adapter identity)
+    group: int = 0  # the KV cache group whose layers it holds, once hashed
 
 
 ROOT_HASH = 0  # the parent hash of a sequence's first block
@@ -92,16 +93,26 @@ def block_identity(path: str | os.PathLike, dtype: str, kv_cache_dtype: object) 
     return f"{weights_fingerprint(path)} dtype={dtype} kv={kv_cache_dtype}"
 
 
+NULL_BLOCK = -1  # a sliding group's table entry for a block given back (wholly before the window): never read
+
+
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, model_identity: str | bytes = b""
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        model_identity: str | bytes = b"",
+        windows: tuple[int | None, ...] = (None,),
     ) -> None:
         """model_identity: whatever a block's K/V depend on besides its tokens (the weights, dtypes; an adapter's
-        name), so that two models never share a block hash."""
+        name), so that two models never share a block hash. windows: per KV cache group (engine/kv_groups.py), its
+        sliding window (None: full attention); each sequence holds a block table per group."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.windows = tuple(windows)
         self.hasher = BlockHasher(block_size, model_identity)
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Unreferenced blocks in the order they are handed out: freed blocks that hold no cached prefix first
@@ -109,9 +120,12 @@ class BlockManager:
         # of touching all of it), then cached ones, least recently freed first; O(1) removal from the middle
         # when a cache hit revives one. Cached contents survive here until the block is handed out again.
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.cached: dict[int, int] = {}  # chain hash → block id
+        # Per group, chain hash → block id (a block holds one group's layers: equal hashes of two groups are
+        # different K/V).
+        self.cached_by_group: list[dict[int, int]] = [{} for _ in self.windows]
         self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache, and how many were found
         self.prefix_hit_tokens = 0
+        self.num_released_blocks = 0  # blocks sliding groups gave back, wholly before their window
         # (source, destination) block copies owed before the next forward pass: a sequence about to write into a
         # block it shares got a copy of its own (copy on write). The scheduler hands them to the step.
         self.pending_copies: list[tuple[int, int]] = []
@@ -129,6 +143,11 @@ class BlockManager:
         return lora.identity.encode() if lora is not None else b""
 
     @property
+    def cached(self) -> dict[int, int]:
+        """The first group's cached blocks (a model with one group: all of them): what a router predicts hits by."""
+        return self.cached_by_group[0]
+
+    @property
     def num_blocks(self) -> int:
         return len(self.blocks)
 
@@ -141,70 +160,104 @@ class BlockManager:
         """Blocks some sequence references (free blocks may still hold cached prefixes)."""
         return len(self.blocks) - len(self.free_queue)
 
-    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        """New blocks `seq` needs so that its first `num_tokens` tokens have slots (and the block it writes
-        next is its own)."""
-        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table)) + self._shared_write_block(
-            seq, num_tokens
-        )
+    def _tables(self, seq: Sequence) -> list[list[int]]:
+        if not seq.block_tables:
+            seq.block_tables = [[] for _ in self.windows]
+        return seq.block_tables
 
-    def _shared_write_block(self, seq: Sequence, num_tokens: int) -> bool:
-        """Whether the next tokens of `seq` would be written into a block another sequence also holds, or into a
-        block of the prefix cache (a fork inside a full block: the cache lists it under other tokens, and a later
-        hit must read those)."""
+    def _window_start(self, position: int, window: int | None) -> int:
+        """The first block a query at `position` reads in a group of `window` (a full group: block 0)."""
+        return 0 if window is None else max(position - window + 1, 0) // self.block_size
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """New blocks `seq` needs so that its first `num_tokens` tokens have slots in every group (and the block it
+        writes next is its own in each)."""
+        count = -(-num_tokens // self.block_size)
+        tables = seq.block_tables or [[] for _ in self.windows]
+        return sum(max(0, count - len(table)) + self._shared_write_block(seq, table, num_tokens) for table in tables)
+
+    def _shared_write_block(self, seq: Sequence, table: list[int], num_tokens: int) -> bool:
+        """Whether the next tokens of `seq` would be written into a block of `table` another sequence also holds,
+        or into a block of the prefix cache (a fork inside a full block: the cache lists it under other tokens,
+        and a later hit must read those)."""
         index = seq.num_computed_tokens // self.block_size
-        if num_tokens <= seq.num_computed_tokens or index >= len(seq.block_table):
+        if num_tokens <= seq.num_computed_tokens or index >= len(table):
             return False
-        block = self.blocks[seq.block_table[index]]
+        block = self.blocks[table[index]]
         return block.ref_count > 1 or block.hash is not None
 
-    def fork(self, parent: Sequence, child: Sequence, num_computed_tokens: int) -> None:
+    def fork(self, parent: Sequence, child: Sequence, num_computed_tokens: int) -> int:
         """Give `child` (holding no blocks), whose first `num_computed_tokens` tokens are the parent's, the blocks
-        that hold them, by reference. Whichever of them next writes into a shared block gets a copy of it first."""
-        assert not child.block_table
-        child.block_table = parent.block_table[: -(-num_computed_tokens // self.block_size)]
-        for block_id in child.block_table:
-            self.blocks[block_id].ref_count += 1
+        that hold them, by reference; returns the tokens it shares. Whichever of them next writes into a shared
+        block gets a copy of it first. A fork further back than a sliding group's kept blocks shares nothing (the
+        child computes its tokens again: the prefix cache may still return them)."""
+        assert not child.block_tables
+        count = -(-num_computed_tokens // self.block_size)
+        for window, table in zip(self.windows, parent.block_tables):
+            if NULL_BLOCK in table[self._window_start(num_computed_tokens, window) : count]:
+                return 0
+        child.block_tables = [table[:count] for table in parent.block_tables]
+        for table in child.block_tables:
+            for block_id in table:
+                if block_id != NULL_BLOCK:
+                    self.blocks[block_id].ref_count += 1
         # Only blocks full of tokens the child keeps are hashed for it (a fork may land inside a full block).
-        child.num_hashed_blocks = min(parent.num_hashed_blocks, num_computed_tokens // self.block_size)
+        child.block_hashes = parent.block_hashes[: num_computed_tokens // self.block_size]
+        return num_computed_tokens
 
     def match_prefix(self, seq: Sequence) -> None:
-        """Take cached blocks for the longest cached prefix of a sequence that holds no blocks yet.
+        """Take cached blocks for the longest cached prefix of a sequence that holds no blocks yet: every block
+        of it in each full group, the blocks its next query's window reaches in each sliding group.
 
         The last prompt token is always recomputed, since its logits are needed to sample. A sequence that
         scores its prompt takes nothing: each of its positions' logits is needed.
         """
-        assert not seq.block_table and seq.num_computed_tokens == 0
+        assert not seq.block_tables and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching or seq.score_prompt:
             return
-        extra = self.extra_key(seq)
-        for i, block_hash in enumerate(self.hasher.prompt_hashes(seq.token_ids, extra)):
-            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            block_id = self.cached.get(block_hash)
-            if block_id is None or (self.blocks[block_id].token_ids, self.blocks[block_id].extra) != (tokens, extra):
-                break
-            self._take(block_id)
-            seq.block_table.append(block_id)
-        seq.num_hashed_blocks = len(seq.block_table)
-        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
+        extra, size = self.extra_key(seq), self.block_size
+        hashes = self.hasher.prompt_hashes(seq.token_ids, extra)
+        tokens = [tuple(seq.token_ids[i * size : (i + 1) * size]) for i in range(len(hashes))]
+
+        def hit(group: int, i: int) -> int | None:
+            block_id = self.cached_by_group[group].get(hashes[i])
+            if block_id is None or (self.blocks[block_id].token_ids, self.blocks[block_id].extra) != (tokens[i], extra):
+                return None
+            return block_id
+
+        count = len(hashes)  # the blocks taken: the query at count * size reads the window before it
+        while count and not all(
+            hit(g, i) is not None
+            for g, window in enumerate(self.windows)
+            for i in range(self._window_start(count * size, window), count)
+        ):
+            count -= 1
+        seq.block_tables = [[NULL_BLOCK] * self._window_start(count * size, window) for window in self.windows]
+        for g, table in enumerate(seq.block_tables):
+            for i in range(len(table), count):
+                block_id = hit(g, i)
+                self._take(block_id)
+                table.append(block_id)
+        seq.block_hashes = hashes[:count]
+        seq.num_computed_tokens = seq.num_cached_tokens = count * size
         self.prefix_queried_tokens += seq.num_tokens
         self.prefix_hit_tokens += seq.num_cached_tokens
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Give `seq` slots for its first `num_tokens` tokens; False (and nothing taken) if blocks run out."""
-        needed = self.blocks_needed(seq, num_tokens)
-        if needed > len(self.free_queue):
+        if self.blocks_needed(seq, num_tokens) > len(self.free_queue):
             return False
-        if self._shared_write_block(seq, num_tokens):
-            index = seq.num_computed_tokens // self.block_size
-            shared, own = seq.block_table[index], self._new_block()
-            self._drop(shared)  # another sequence holds it, or it stays in the prefix cache
-            seq.block_table[index] = own
-            seq.num_hashed_blocks = min(seq.num_hashed_blocks, index)
-            self.pending_copies.append((shared, own))
-            needed -= 1
-        for _ in range(needed):
-            seq.block_table.append(self._new_block())
+        count = -(-num_tokens // self.block_size)
+        for table in self._tables(seq):
+            if self._shared_write_block(seq, table, num_tokens):
+                index = seq.num_computed_tokens // self.block_size
+                shared, own = table[index], self._new_block()
+                self._drop(shared)  # another sequence holds it, or it stays in the prefix cache
+                table[index] = own
+                del seq.block_hashes[index:]
+                self.pending_copies.append((shared, own))
+            while len(table) < count:
+                table.append(self._new_block())
         return True
 
     def _new_block(self) -> int:
@@ -213,24 +266,25 @@ class BlockManager:
         self._take(block_id)
         return block_id
 
-    def holds(self, block_hash: int, token_ids: tuple[int, ...], extra: bytes = b"") -> bool:
-        """Whether the block of `block_hash` is cached here; if so and unused, it becomes the last to be evicted."""
-        block_id = self.cached.get(block_hash)
+    def holds(self, group: int, block_hash: int, token_ids: tuple[int, ...], extra: bytes = b"") -> bool:
+        """Whether group `group`'s block of `block_hash` is cached here; if so and unused, it becomes the last to
+        be evicted."""
+        block_id = self.cached_by_group[group].get(block_hash)
         if block_id is None or (self.blocks[block_id].token_ids, self.blocks[block_id].extra) != (token_ids, extra):
             return False
         if block_id in self.free_queue:
             self.free_queue.move_to_end(block_id)
         return True
 
-    def adopt(self, block_hash: int, token_ids: tuple[int, ...], extra: bytes = b"") -> int:
-        """A free block made the cached block of `block_hash`, unused and the last to be evicted: one whose K/V
-        another engine computed (a prefill worker's), which the caller writes before the next step. The caller
-        checks that a block is free."""
+    def adopt(self, group: int, block_hash: int, token_ids: tuple[int, ...], extra: bytes = b"") -> int:
+        """A free block made group `group`'s cached block of `block_hash`, unused and the last to be evicted: one
+        whose K/V another engine computed (a prefill worker's), which the caller writes before the next step. The
+        caller checks that a block is free."""
         block_id = next(iter(self.free_queue))
         self._evict(block_id)
         block = self.blocks[block_id]
-        block.hash, block.token_ids, block.extra = block_hash, token_ids, extra
-        self.cached[block_hash] = block_id
+        block.hash, block.token_ids, block.extra, block.group = block_hash, token_ids, extra, group
+        self.cached_by_group[group][block_hash] = block_id
         self.free_queue.move_to_end(block_id)
         return block_id
 
@@ -239,34 +293,52 @@ class BlockManager:
         return copies
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register the blocks of `seq` that became full of computed tokens under their chain hashes."""
-        if not self.enable_prefix_caching:
-            return
-        full = seq.num_computed_tokens // self.block_size
-        extra = self.extra_key(seq)
-        for i in range(seq.num_hashed_blocks, full):
-            block = self.blocks[seq.block_table[i]]
-            if block.hash is None:  # a block taken from the cache already has its hash
-                parent = self.blocks[seq.block_table[i - 1]].hash if i else ROOT_HASH
-                block.token_ids = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-                block.hash, block.extra = self.block_hash(parent, block.token_ids, extra), extra
-                self.cached.setdefault(block.hash, block.block_id)
-        seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
+        """Register the blocks of `seq` that became full of computed tokens under their chain hashes, in every
+        group; then a sliding group gives back its blocks wholly before the window of the sequence's next query
+        (cached ones stay in the prefix cache until handed out again)."""
+        size, full = self.block_size, seq.num_computed_tokens // self.block_size
+        if self.enable_prefix_caching:
+            extra, start = self.extra_key(seq), len(seq.block_hashes)
+            for i in range(start, full):
+                parent = seq.block_hashes[i - 1] if i else ROOT_HASH
+                seq.block_hashes.append(self.block_hash(parent, tuple(seq.token_ids[i * size : (i + 1) * size]), extra))
+            for group, table in enumerate(seq.block_tables):
+                for i in range(start, full):
+                    block = self.blocks[table[i]] if table[i] != NULL_BLOCK else None
+                    if block is not None and block.hash is None:  # a block taken from the cache has its hash
+                        block.token_ids, block.extra = tuple(seq.token_ids[i * size : (i + 1) * size]), extra
+                        block.hash, block.group = seq.block_hashes[i], group
+                        self.cached_by_group[group].setdefault(block.hash, block.block_id)
+        # The next query is at num_computed_tokens or later; a block more is kept so that a fork one token back
+        # (the other completions of n) or a decode worker's prefix hit (up to the prompt's last full block) finds
+        # its window whole.
+        for window, table in zip(self.windows, seq.block_tables):
+            end = self._window_start(seq.num_computed_tokens - size, window)
+            start = end
+            while start and table[start - 1] != NULL_BLOCK:  # the blocks given back before are a prefix
+                start -= 1
+            for i in range(start, end):
+                self._drop(table[i])
+                table[i] = NULL_BLOCK
+            self.num_released_blocks += end - start
 
     def trim(self, seq: Sequence) -> None:
         """Free the blocks past `seq`'s tokens (they held only rejected draft tokens' K/V), tail first."""
         keep = -(-seq.num_tokens // self.block_size)
-        for block_id in reversed(seq.block_table[keep:]):
-            self._drop(block_id)
-        del seq.block_table[keep:]
-        seq.num_hashed_blocks = min(seq.num_hashed_blocks, keep)
+        for table in seq.block_tables:
+            for block_id in reversed(table[keep:]):
+                self._drop(block_id)
+            del table[keep:]
+        del seq.block_hashes[keep:]
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references, tail first, so that the tail of a prefix chain is evicted first."""
-        for block_id in reversed(seq.block_table):
-            self._drop(block_id)
-        seq.block_table.clear()
-        seq.num_hashed_blocks = 0
+        for table in seq.block_tables:
+            for block_id in reversed(table):
+                if block_id != NULL_BLOCK:
+                    self._drop(block_id)
+        seq.block_tables = []
+        seq.block_hashes = []
 
     def _drop(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -284,6 +356,6 @@ class BlockManager:
 
     def _evict(self, block_id: int) -> None:
         block = self.blocks[block_id]
-        if block.hash is not None and self.cached.get(block.hash) == block_id:
-            del self.cached[block.hash]
+        if block.hash is not None and self.cached_by_group[block.group].get(block.hash) == block_id:
+            del self.cached_by_group[block.group][block.hash]
         block.hash, block.token_ids, block.extra = None, (), b""

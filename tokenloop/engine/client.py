@@ -54,5 +54,6 @@ def remote_inputs(config: EngineConfig) -> InputProcessor:
     """The InputProcessor of a frontend whose engines run elsewhere (worker processes, replicas): the engines'
     tokenizer and limits, from their config, without their weights."""
     model = load_config(config.model)
-    kv_cache_tokens = config.num_kv_blocks(model) * config.block_size
-    return InputProcessor(load_tokenizer(config.model), model.vocab_size, config.context_length(model), kv_cache_tokens)
+    return InputProcessor(
+        load_tokenizer(config.model), model.vocab_size, config.context_length(model), config.kv_cache_tokens(model)
+    )

@@ -75,8 +75,8 @@ class DecodeStep(nn.Module):
         layers = self.model.attention_layers()
         bound = [(attn.k_cache, attn.v_cache) for attn in layers]
         try:
-            for attn, k, v in zip(layers, k_caches, v_caches):
-                attn.k_cache, attn.v_cache = k, v
+            for attn in layers:
+                attn.k_cache, attn.v_cache = k_caches[attn.kv_pool], v_caches[attn.kv_pool]
             meta = AttentionMetadata(
                 slot_mapping, block_tables, query_start, query_count, first_position, self.block_size
             )
@@ -86,22 +86,27 @@ class DecodeStep(nn.Module):
                 attn.k_cache, attn.v_cache = k, v
 
 
-def example_inputs(input_ids: torch.Tensor, caches: list[torch.Tensor]) -> tuple:
+def num_kv_groups(model: nn.Module) -> int:
+    """The KV cache groups the model's attention layers are bound to (engine/kv_groups.py)."""
+    return 1 + max(attn.kv_group for attn in model.attention_layers())
+
+
+def example_inputs(input_ids: torch.Tensor, caches: list[torch.Tensor], num_groups: int) -> tuple:
     """A decode batch of 2 sequences with 3 tokens of context each, the first verifying a one-token draft (3 query
-    tokens in all: the token and sequence counts are distinct dimensions), block tables of 2 blocks."""
+    tokens in all: the token and sequence counts are distinct dimensions), block tables of 2 blocks per group."""
     device = caches[0].device
-    num_layers = len(caches) // 2
+    num_pools = len(caches) // 2
     tensor = functools.partial(torch.tensor, dtype=torch.int64, device=device)
     return (
         input_ids.new_zeros(3),
         tensor([1, 2, 2]),
-        tensor([1, 2, 34]),
-        tensor([[0, 1], [2, 3]]),
+        tensor([[1, 2, 34]] * num_groups),
+        tensor([[[0, 1], [2, 3]]] * num_groups),
         tensor([0, 2]),
         tensor([2, 1]),
         tensor([1, 2]),
-        caches[:num_layers],
-        caches[num_layers:],
+        caches[:num_pools],
+        caches[num_pools:],
     )
 
 
@@ -159,22 +164,22 @@ def _build(model: nn.Module, caches: list[torch.Tensor], block_size: int, target
         Dim("blocks", min=1, max=2**20),
         Dim("slots", min=6, max=2**31),
     )
-    num_layers = len(caches) // 2
+    num_pools = len(caches) // 2
     dynamic_shapes = (
         {0: tokens},
         {0: tokens},
-        {0: tokens},
-        {0: seqs, 1: blocks},
+        {1: tokens},
+        {1: seqs, 2: blocks},
         {0: seqs},
         {0: seqs},
         {0: seqs},
-        [{1: slots}] * num_layers,
-        [{1: slots}] * num_layers,
+        [{1: slots}] * num_pools,
+        [{1: slots}] * num_pools,
     )
+    inputs = example_inputs(torch.zeros(1, dtype=torch.int64), caches, num_kv_groups(model))
     with torch.no_grad():
-        step = DecodeStep(model, block_size)
         program = torch.export.export(
-            step, example_inputs(torch.zeros(1, dtype=torch.int64), caches), dynamic_shapes=dynamic_shapes, strict=False
+            DecodeStep(model, block_size), inputs, dynamic_shapes=dynamic_shapes, strict=False
         )
     configs = {
         "aot_inductor.package_constants_in_so": False,  # at load the package is given the model's own tensors

@@ -10,8 +10,8 @@ import torch
 
 from tokenloop import kernels
 from tokenloop.engine.compiled_decode import CompileSpec
+from tokenloop.engine.kv_groups import kv_bytes_per_block, kv_cache_tokens
 from tokenloop.engine.lora import LoRARequest
-from tokenloop.engine.model_runner import kv_bytes_per_block
 from tokenloop.models.config import ModelConfig
 from tokenloop.spec_decode.config import SpeculativeConfig
 
@@ -108,6 +108,10 @@ class EngineConfig:
     def num_kv_blocks(self, model: ModelConfig) -> int:
         """The KV blocks kv_cache_gb holds of this model."""
         return int(self.kv_cache_gb * 2**30) // kv_bytes_per_block(model, self.block_size, self.kv_dtype)
+
+    def kv_cache_tokens(self, model: ModelConfig) -> int:
+        """The tokens one sequence can always hold in the KV cache."""
+        return kv_cache_tokens(model, self.num_kv_blocks(model), self.block_size, self.max_num_batched_tokens)
 
     @property
     def torch_dtype(self) -> torch.dtype:

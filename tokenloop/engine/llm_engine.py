@@ -14,11 +14,12 @@ from dataclasses import replace
 import torch
 
 from tokenloop.engine.beam_search import BeamSearchParams
-from tokenloop.engine.block_manager import BlockManager, block_identity
+from tokenloop.engine.block_manager import NULL_BLOCK, BlockManager, block_identity
 from tokenloop.engine.config import EngineConfig, compile_spec
 from tokenloop.engine.executor import StepExecutor, StepResult
 from tokenloop.engine.faults import FaultInjection
 from tokenloop.engine.input_processor import InputProcessor, ProcessedPrompt, Prompt
+from tokenloop.engine.kv_groups import kv_cache_windows
 from tokenloop.engine.lora import LoRAManager, LoRARequest, LoRASlot
 from tokenloop.engine.model_runner import ModelRunner, zeroed_pool
 from tokenloop.engine.output_processor import CompletionState, OutputProcessor
@@ -55,10 +56,12 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_gb={config.kv_cache_gb} does not hold one KV block of this model")
         identity = block_identity(loaded.path, config.dtype, config.kv_dtype)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, identity)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, identity, kv_cache_windows(loaded.config)
+        )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.input_processor = InputProcessor(
-            self.tokenizer, loaded.config.vocab_size, self.max_model_len, num_blocks * config.block_size
+            self.tokenizer, loaded.config.vocab_size, self.max_model_len, config.kv_cache_tokens(loaded.config)
         )
         self.loras: LoRAManager | None = None
         compile = config.compile
@@ -151,12 +154,17 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r} is not a finished request kept with retain=True")
         return seq
 
-    def retained_blocks(self, request_id: str) -> list[tuple[int, int]]:
-        """(chain hash, block id) of each full, hashed block of a finished request kept with retain=True, in
-        order: what a decode worker copies from a prefill worker (disaggregation/)."""
+    def retained_blocks(self, request_id: str) -> list[tuple[int, int, int, int]]:
+        """(KV cache group, index, chain hash, block id) of each full, hashed block a finished request kept with
+        retain=True holds, group after group, in order: what a decode worker copies from a prefill worker
+        (disaggregation/)."""
         seq = self.retained(request_id)
-        blocks = [self.block_manager.blocks[i] for i in seq.block_table[: seq.num_hashed_blocks]]
-        return [(block.hash, block.block_id) for block in blocks]
+        return [
+            (group, i, seq.block_hashes[i], block_id)
+            for group, table in enumerate(seq.block_tables)
+            for i, block_id in enumerate(table[: len(seq.block_hashes)])
+            if block_id != NULL_BLOCK
+        ]
 
     def release_request(self, request_id: str) -> None:
         """Free the blocks a finished, retained request kept."""

@@ -8,7 +8,6 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tokenloop.engine.llm_engine import LLMEngine
-from tokenloop.engine.model_runner import sliding_window_idle_bytes
 from tokenloop.outputs import RequestOutput
 from tokenloop.spec_decode.speculator import SpecStats
 
@@ -49,9 +48,9 @@ class EngineMetrics:
         )
         self.blocks_used = Gauge("tokenloop_kv_cache_blocks_in_use", "KV blocks referenced by sequences", registry=r)
         self.blocks_total = Gauge("tokenloop_kv_cache_blocks_total", "KV blocks in the pool", registry=r)
-        self.sliding_idle = Gauge(
-            "tokenloop_kv_cache_sliding_window_idle_bytes",
-            "KV bytes of sliding-window layers wholly outside their window (never read again)",
+        self.window_released = Counter(
+            "tokenloop_kv_cache_window_released_blocks",
+            "KV blocks sliding-window layer groups gave back, wholly before their window",
             registry=r,
         )
         self.prefix_hit_rate = Gauge(
@@ -62,7 +61,7 @@ class EngineMetrics:
         self.prompt_tokens = Counter("tokenloop_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("tokenloop_generation_tokens", "Generated tokens", registry=r)
         self.preemptions = Counter("tokenloop_num_preemptions", "Sequences preempted for lack of KV blocks", registry=r)
-        self._preemptions_seen = 0
+        self._preemptions_seen = self._released_seen = 0
         # Speculative decoding (vLLM's names, tokenloop's prefix): counters of the speculator's totals.
         self.spec_drafts = Counter(
             "tokenloop_spec_decode_num_drafts", "Drafts verified (sequence-steps with draft tokens)", registry=r
@@ -122,14 +121,8 @@ class EngineMetrics:
         self.paused.set(len(scheduler.paused))
         self.blocks_used.set(blocks.num_used_blocks)
         self.blocks_total.set(blocks.num_blocks)
-        self.sliding_idle.set(
-            sliding_window_idle_bytes(
-                engine.model_config,
-                engine.config.block_size,
-                engine.config.kv_dtype,
-                [seq.num_tokens for seq in scheduler.running],
-            )
-        )
+        self.window_released.inc(blocks.num_released_blocks - self._released_seen)
+        self._released_seen = blocks.num_released_blocks
         if blocks.prefix_queried_tokens:
             self.prefix_hit_rate.set(blocks.prefix_hit_tokens / blocks.prefix_queried_tokens)
         self.preemptions.inc(scheduler.num_preemptions - self._preemptions_seen)

@@ -1,8 +1,10 @@
 """Model runner: the only place tensors are built. Owns the KV cache, runs the forward pass, samples.
 
-The KV cache is one preallocated pool per layer, [kv_heads, num_blocks * block_size, width], written in place
-(models/kv_layout.py: width is head_dim, or head_dim + 2 bytes in an int8 cache).
-A token at position p of a sequence lives in slot block_table[p // block_size] * block_size + p % block_size.
+The KV cache is preallocated pools, [kv_heads, num_blocks * block_size, width], written in place
+(models/kv_layout.py: width is head_dim, or head_dim + 2 bytes in an int8 cache): pool i holds layer i of every
+KV cache group (engine/kv_groups.py; a model with one group: pool i is layer i's), each group at its own blocks.
+A token at position p of a sequence lives, for its layers of group g, in slot
+block_tables[g][p // block_size] * block_size + p % block_size.
 Heads first: one head's rows of a block are contiguous, which is what decode attention reads (one KV head of
 one sequence at a time).
 """
@@ -20,6 +22,7 @@ import torch
 from torch import nn
 
 from tokenloop.engine.compiled_decode import CompileSpec, DecodeForward
+from tokenloop.engine.kv_groups import kv_cache_groups
 from tokenloop.engine.scheduler import ScheduledBatch
 from tokenloop.engine.sequence import Sequence
 from tokenloop.engine.trace import record_steps, rng_states
@@ -31,19 +34,6 @@ from tokenloop.sampling.sampler import ProcessorInputs, Sampler, SamplerOutput, 
 from tokenloop.spec_decode.rejection_sampler import verify
 
 SCORE_ROWS = 256  # logit rows log-softmaxed at once when scoring a sequence's own tokens
-
-
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return 2 * config.num_layers * block_size * config.num_kv_heads * kv_layout.bytes_per_token(config.head_dim, dtype)
-
-
-def sliding_window_idle_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype, num_tokens: list[int]) -> int:
-    """KV bytes that sliding-window layers hold and will never read again, for sequences of `num_tokens` tokens:
-    in each such layer, every block wholly before a sequence's last `window` positions. (Full-attention layers
-    still read those blocks, so they stay allocated; a layer's pool pages there could be given back.)"""
-    per_layer_block = kv_bytes_per_block(config, block_size, dtype) // config.num_layers
-    windows = [w for w in map(config.layer_window, range(config.num_layers)) if w is not None]
-    return per_layer_block * sum(max(n - w, 0) // block_size for w in windows for n in num_tokens)
 
 
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -173,17 +163,27 @@ class PagedBatch:
 
     @classmethod
     def of(
-        cls, block_tables: list[list[int]], starts: list[int], lens: list[int], block_size: int, device: torch.device
+        cls,
+        block_tables: list[list[list[int]]],
+        starts: list[int],
+        lens: list[int],
+        block_size: int,
+        device: torch.device,
     ) -> PagedBatch:
+        """block_tables: per sequence, its table per KV cache group."""
         bs = block_size
         starts_np = np.array(starts, dtype=np.int64)  # [B]
         lens_np = np.array(lens, dtype=np.int64)  # [B]
         ends = lens_np.cumsum()
-        max_blocks = max(len(table) for table in block_tables)
-        tables = np.array([table + [0] * (max_blocks - len(table)) for table in block_tables], dtype=np.int64)
+        max_blocks = max(len(table) for tables in block_tables for table in tables)
+        # [G, B, max_blocks]; blocks given back (NULL_BLOCK) and padding → 0, never read
+        tables = np.array(
+            [[table + [0] * (max_blocks - len(table)) for table in tables] for tables in block_tables], dtype=np.int64
+        ).transpose(1, 0, 2)
+        tables = np.maximum(tables, 0)
         seq_of_token = np.repeat(np.arange(len(lens_np)), lens_np)  # [T]
         positions = np.arange(len(seq_of_token)) - (ends - lens_np)[seq_of_token] + starts_np[seq_of_token]  # [T]
-        slot_mapping = tables[seq_of_token, positions // bs] * bs + positions % bs
+        slot_mapping = tables[:, seq_of_token, positions // bs] * bs + positions % bs  # [G, T]
         meta = AttentionMetadata(
             _to_device(slot_mapping, device),
             _to_device(tables, device),
@@ -222,12 +222,14 @@ class ModelRunner:
         self.model, self.config, self.block_size, self.device = model, config, block_size, device
         self.lora = lora or LoRAContext()
         shape = (config.num_kv_heads, num_blocks * block_size, kv_layout.width(config.head_dim, kv_dtype))
+        groups = kv_cache_groups(config)
+        pools = [(pool(shape, kv_dtype, device), pool(shape, kv_dtype, device)) for _ in groups[0].layers]
+        self.k_pools, self.v_pools = [k for k, _ in pools], [v for _, v in pools]
         layers = model.attention_layers()
-        for attn in layers:
-            attn.bind_cache(pool(shape, kv_dtype, device), pool(shape, kv_dtype, device))
-        self.forward = DecodeForward(
-            model, [attn.k_cache for attn in layers], [attn.v_cache for attn in layers], block_size, compile, background
-        )
+        for g, group in enumerate(groups):
+            for i, layer in enumerate(group.layers):
+                layers[layer].bind_cache(*pools[i], group=g, pool=i)
+        self.forward = DecodeForward(model, self.k_pools, self.v_pools, block_size, compile, background)
         self.sampler = Sampler()
         # Steps return every new token's final hidden state too (ModelInput.hidden_rows): a drafter's features.
         self.hidden_states = False
@@ -247,7 +249,7 @@ class ModelRunner:
         # kernel gives every query row the same floats whatever the entry's size, so how a sequence is scheduled
         # changes no token.
         device = self.device
-        paged = PagedBatch.of([seq.block_table for seq in batch.seqs], starts_list, batch.num_new_tokens, bs, device)
+        paged = PagedBatch.of([seq.block_tables for seq in batch.seqs], starts_list, batch.num_new_tokens, bs, device)
         lens, ends, seq_of_token = paged.lens, paged.ends, paged.seq_of_token
         spans, logit_rows = [], []
         for i, (seq, start, n, d, first_row) in enumerate(
@@ -326,9 +328,8 @@ class ModelRunner:
         last = {d: s for s, d in copies}
         src = torch.tensor([s * bs + i for s in last.values() for i in range(bs)], device=self.device)
         dst = torch.tensor([d * bs + i for d in last for i in range(bs)], device=self.device)
-        for attn in self.model.attention_layers():
-            for pool in (attn.k_cache, attn.v_cache):  # [kv_heads, slots, width]
-                pool[:, dst] = pool[:, src]
+        for pool in self.k_pools + self.v_pools:  # [kv_heads, slots, width]
+            pool[:, dst] = pool[:, src]
 
     @staticmethod
     def sample_logits(logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:

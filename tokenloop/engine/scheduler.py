@@ -68,7 +68,7 @@ class Scheduler:
                 i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.block_table:
+            if not seq.block_tables:
                 self.block_manager.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
@@ -117,11 +117,11 @@ class Scheduler:
 
     def fork(self, parent: Sequence, child: Sequence, num_computed_tokens: int) -> None:
         """Start `child`, whose first `num_computed_tokens` tokens are its parent's, on its parent's blocks: it runs
-        at once, from there on, and shares those blocks until one of them writes into a shared one."""
-        self.block_manager.fork(parent, child, num_computed_tokens)
-        child.num_computed_tokens = num_computed_tokens
+        at once, from there on, and shares those blocks until one of them writes into a shared one (or computes
+        them again, where a sliding group has given back blocks its window needs)."""
+        child.num_computed_tokens = self.block_manager.fork(parent, child, num_computed_tokens)
         for listener in self.on_fork:
-            listener(parent, child, num_computed_tokens)
+            listener(parent, child, child.num_computed_tokens)
         if len(self.running) < self.max_num_seqs:
             child.status = SequenceStatus.RUNNING
             self.running.append(child)

@@ -35,8 +35,10 @@ class Sequence:
     # chunked prefill and prefix-cache hits. The newest sampled token is never computed yet.
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # how many prompt tokens came from the prefix cache
-    block_table: list[int] = field(default_factory=list)
-    num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache
+    # Per KV cache group (engine/kv_groups.py), its blocks in position order (a sliding group's blocks before its
+    # window given back: NULL_BLOCK); empty while it holds none.
+    block_tables: list[list[int]] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chain hashes of its leading full, computed blocks
     finish_reason: str | None = None  # "stop" or "length"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     controls: LogitControls | None = None  # the logits processors' state, when its request uses any
@@ -65,6 +67,11 @@ class Sequence:
     def index(self) -> int:
         """Its place among its request's sequences (the completion's index; a beam's id)."""
         return int(self.seq_id.rpartition("/")[2])
+
+    @property
+    def block_table(self) -> list[int]:
+        """Its first group's blocks (a model with one group: its blocks)."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def num_tokens(self) -> int:

@@ -12,6 +12,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tokenloop.engine.block_manager import NULL_BLOCK
 from tokenloop.engine.llm_engine import LLMEngine
 from tokenloop.explorer.session import Explorer, RequestError
 from tokenloop.explorer.tree import ExploreTree
@@ -103,7 +104,8 @@ class ExplorerStore:
         request_ids = [b.request_id for t in self.trees.values() for b in t.resident()]
 
         def held(engine: LLMEngine) -> int:
-            return len({block for r in request_ids for block in engine.retained(r).block_table})
+            tables = (table for r in request_ids for table in engine.retained(r).block_tables)
+            return len({block for table in tables for block in table} - {NULL_BLOCK})
 
         return await self.explorer.engine.call(held)
 

@@ -33,10 +33,11 @@ class AttentionMetadata:
     """Where a batch's new tokens sit in the KV cache and what they attend; built by the model runner, read by
     every layer. T new tokens of B sequences, flattened: sequence b's rows query_start[b] .. query_start[b] +
     query_count[b] - 1 are its positions first_position[b] onwards, and it attends to its positions 0 .. up to
-    each query's own, position p in slot block_tables[b][p // block_size] * block_size + p % block_size."""
+    each query's own, position p of a layer of KV cache group g (engine/kv_groups.py) in slot
+    block_tables[g][b][p // block_size] * block_size + p % block_size."""
 
-    slot_mapping: torch.Tensor  # [T] int64: the cache slot each new token's K/V is written to
-    block_tables: torch.Tensor  # [B, max_blocks] int64 (padding → 0)
+    slot_mapping: torch.Tensor  # [G, T] int64: the cache slot each new token's K/V is written to, per group
+    block_tables: torch.Tensor  # [G, B, max_blocks] int64 (padding, blocks outside a window → 0)
     query_start: torch.Tensor  # [B] int64
     query_count: torch.Tensor  # [B] int64
     first_position: torch.Tensor  # [B] int64
@@ -81,15 +82,17 @@ class KVCacheAttention(nn.Module):
         self.scale = scale if scale is not None else head_dim**-0.5
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.kv_group = self.kv_pool = 0
         self.cpu_kernel = False
 
-    def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor, group: int = 0, pool: int = 0) -> None:
         """The model runner's pools, [num_kv_heads, num_slots, width] each in kv_layout's block layout, updated
-        in place. Their dtype may be narrower than the activations' (bfloat16 or float16 on the fast path, or int8
-        with a scale per token and head), converted on the way in and out. Attention reads them through
+        in place: pool `pool` of the runner's, which this layer writes at the blocks of KV cache group `group`.
+        Their dtype may be narrower than the activations' (bfloat16 or float16 on the fast path, or int8 with a
+        scale per token and head), converted on the way in and out. Attention reads them through
         tokenloop's CPU kernel where it can run, which gives each query row the same floats whatever else is in
         the call; elsewhere (a GPU) through SDPA over a gathered copy."""
-        self.k_cache, self.v_cache = k_cache, v_cache
+        self.k_cache, self.v_cache, self.kv_group, self.kv_pool = k_cache, v_cache, group, pool
         self.cpu_kernel = k_cache.device.type == "cpu" and kernels.attention_kernel_supports(
             k_cache.dtype, self.head_dim
         )
@@ -100,7 +103,7 @@ class KVCacheAttention(nn.Module):
         # q: (T, num_heads, head_dim); k, v: (T, num_kv_heads, head_dim)
         if isinstance(meta, PackedSequences):
             return self._packed(q, k, v, meta)
-        kv_layout.write(self.k_cache, self.v_cache, meta.slot_mapping, k, v, meta.block_size)
+        kv_layout.write(self.k_cache, self.v_cache, meta.slot_mapping[self.kv_group], k, v, meta.block_size)
         return self.attend(q, meta)
 
     def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -111,7 +114,7 @@ class KVCacheAttention(nn.Module):
                 q,
                 self.k_cache,
                 self.v_cache,
-                meta.block_tables,
+                meta.block_tables[self.kv_group],
                 meta.block_size,
                 meta.query_start,
                 meta.query_count,
@@ -137,13 +140,14 @@ class KVCacheAttention(nn.Module):
         # Padding queries keep key 0: no empty softmax row.
         mask = mask | (~mask.any(dim=-1, keepdim=True) & (k_pos == 0))
         kv_heads, slots, width = self.k_cache.shape
+        tables = meta.block_tables[self.kv_group]
         # The sequences' whole blocks, then their rows: (B, num_kv_heads, K, head_dim).
         blocks = [
-            gather(c.view(kv_heads, slots // bs, bs * width), 1, meta.block_tables).view(kv_heads, -1, width)
+            gather(c.view(kv_heads, slots // bs, bs * width), 1, tables).view(kv_heads, -1, width)
             for c in (self.k_cache, self.v_cache)
         ]
         keys, values = (
-            x.view(kv_heads, len(meta.block_tables), -1, self.head_dim)[:, :, :num_k].to(q.dtype).transpose(0, 1)
+            x.view(kv_heads, len(tables), -1, self.head_dim)[:, :, :num_k].to(q.dtype).transpose(0, 1)
             for x in kv_layout.rows(*blocks, bs)
         )
         queries = gather(q, 0, query_index).transpose(1, 2)  # (B, num_heads, Q, head_dim)

@@ -60,7 +60,7 @@ class DecoderAttention(nn.Module):
                 sin.squeeze(1),
                 self.attn.k_cache,
                 self.attn.v_cache,
-                meta.slot_mapping,
+                meta.slot_mapping[self.attn.kv_group],
                 meta.block_size,
                 num_heads,
                 *norms,

@@ -18,6 +18,7 @@ import torch
 
 from tokenloop.engine.block_manager import BlockManager
 from tokenloop.engine.compiled_decode import CompileSpec
+from tokenloop.engine.kv_groups import kv_cache_windows
 from tokenloop.engine.model_runner import ModelRunner
 from tokenloop.engine.scheduler import ScheduledBatch
 from tokenloop.engine.sequence import Sequence
@@ -61,7 +62,8 @@ class DraftModelProposer(Proposer):
             compile,
             background(loaded.path) if background else None,
         )
-        return cls(runner, BlockManager(num_blocks, block_size, enable_prefix_caching=False))
+        windows = kv_cache_windows(loaded.config)
+        return cls(runner, BlockManager(num_blocks, block_size, enable_prefix_caching=False, windows=windows))
 
     def __init__(self, runner: ModelRunner, block_manager: BlockManager) -> None:
         self.runner, self.block_manager = runner, block_manager

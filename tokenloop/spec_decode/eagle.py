@@ -192,7 +192,7 @@ class EagleProposer(Proposer):
         """Head rows for counts[b] tokens (`ids`, their features) of each state, from its computed rows on: [T, d]."""
         rows = [s.rows for s in states]
         paged = PagedBatch.of(
-            [r.block_table for r in rows],
+            [r.block_tables for r in rows],
             [r.num_computed_tokens for r in rows],
             counts,
             self.block_manager.block_size,
