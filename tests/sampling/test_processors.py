@@ -154,20 +154,23 @@ def test_top_k_and_top_p_on_a_rows_few_largest_logits_equal_a_full_sort(data):
 @settings(max_examples=200, deadline=None)
 @given(data=st.data())
 def test_the_support_found_among_the_candidates_is_the_distributions_nonzero(data):
-    """What the exponential race runs over when top-k or top-p leaves few tokens: probs.nonzero() exactly."""
-    from tokenloop.sampling.sampler import top_k_top_p_support
+    """What the exponential race runs over when top-k or top-p leaves few tokens: probs.nonzero() exactly, with
+    probs' own values."""
+    from tokenloop.sampling.sampler import top_k_top_p, top_k_top_p_support
 
     logits = data.draw(logits_rows(max_vocab=16))
     vocab = logits.shape[1]
     k = torch.tensor(data.draw(per_row(logits, st.integers(1, vocab))))
     p = torch.tensor(data.draw(per_row(logits, st.one_of(st.just(1.0), st.floats(0.01, 0.99)))))
     k, p = (k, None) if data.draw(st.booleans()) else (None if data.draw(st.booleans()) else k, p)
-    probs, support = top_k_top_p_support(logits, k, p)
+    dense = top_k_top_p(logits, k, p)
+    probs, support, support_probs = top_k_top_p_support(logits, k, p)
     active = (k < vocab if k is not None else False) | (p < 1.0 if p is not None else False)
     if bool(torch.as_tensor(active).all()):
-        assert torch.equal(support, probs.nonzero())
+        assert probs is None and torch.equal(support, dense.nonzero())
+        assert torch.equal(support_probs, dense[support[:, 0], support[:, 1]])  # the same floats
     else:
-        assert support is None
+        assert support is None and support_probs is None and torch.equal(probs, dense)
 
 
 def test_a_peaked_row_of_a_real_vocabulary_is_settled_without_a_sort(monkeypatch):

@@ -113,12 +113,14 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Ten
 
 def top_k_top_p_support(
     logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """top_k_top_p's distribution and its support: the (row, id) pairs of nonzero probability [N, 2] as
-    probs.nonzero() lists them, found among the candidates (None when a row keeps its whole distribution: then
-    probs.nonzero() is the support)."""
-    out, kept = _top_k_top_p(logits, k, p)
-    return out, _support(kept, logits.shape[1]) if kept is not None else None
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """top_k_top_p's distribution by its support, found among the candidates, when top-k or top-p cuts every row:
+    (None, the (row, id) pairs of nonzero probability [N, 2] as probs.nonzero() lists them, their probabilities
+    [N]); else, when a row keeps its whole distribution, (the distribution [B, V], None, None)."""
+    out, kept = _top_k_top_p(logits, k, p, dense=False)
+    if kept is None:
+        return out, None, None
+    return None, *_support(kept, logits.shape[1])
 
 
 def top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
@@ -135,10 +137,10 @@ def top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | 
 
 
 def _top_k_top_p(
-    logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None
-) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None]:
-    """top_k_top_p's distribution, and the candidates that settled each row (None when a row keeps its whole
-    distribution)."""
+    logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None, dense: bool = True
+) -> tuple[torch.Tensor | None, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None]:
+    """top_k_top_p's distribution (None when not `dense` and the candidates settle every row), and the candidates
+    that settled each row (None when a row keeps its whole distribution)."""
     probs = logits.softmax(dim=-1)
     rows, vocab = logits.shape
     active = torch.zeros(rows, dtype=torch.bool, device=logits.device)
@@ -146,8 +148,8 @@ def _top_k_top_p(
         active |= k < vocab
     if p is not None:
         active |= p < 1.0
-    out = torch.zeros_like(probs)
     every_row_active = bool(active.all())
+    out = torch.zeros_like(probs) if dense or not every_row_active else None
     if not every_row_active:
         out[~active] = probs[~active]
     pending = active.nonzero().squeeze(1)
@@ -157,39 +159,51 @@ def _top_k_top_p(
             break
         whole = len(pending) == rows
         sub = (lambda t: t) if whole else (lambda t: t[pending] if t is not None else None)
-        row_probs, index, settled = _nucleus(sub(logits), sub(probs), sub(k), sub(p), width)
+        row_probs, index, settled = _nucleus(sub(logits), probs, None if whole else pending, sub(k), sub(p), width)
         if whole and settled.all():
             kept.append((pending, index, row_probs))
-            out.scatter_(-1, index, row_probs)
+            if out is not None:
+                out.scatter_(-1, index, row_probs)
             break
         kept.append((pending[settled], index[settled], row_probs[settled]))
-        out[pending[settled].unsqueeze(1), index[settled]] = row_probs[settled]
+        if out is not None:
+            out[pending[settled].unsqueeze(1), index[settled]] = row_probs[settled]
         pending = pending[~settled]
     return out, kept if every_row_active else None
 
 
-def _support(kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], vocab: int) -> torch.Tensor:
-    """The (row, id) pairs of nonzero probability among the kept candidates, rows ascending, ids ascending."""
-    keys = []
+def _support(
+    kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (row, id) pairs of nonzero probability among the kept candidates, rows ascending, ids ascending, and
+    their probabilities."""
+    keys, values = [], []
     for rows, index, row_probs in kept:
         r, j = (row_probs > 0).nonzero(as_tuple=True)
         keys.append(rows[r] * vocab + index[r, j])
-    key = torch.cat(keys).sort().values
-    return torch.stack([key // vocab, key % vocab], dim=1)
+        values.append(row_probs[r, j])
+    key, order = torch.cat(keys).sort()  # distinct keys: one order
+    return torch.stack([key // vocab, key % vocab], dim=1), torch.cat(values)[order]
 
 
 def _nucleus(
-    logits: torch.Tensor, probs: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None, width: int
+    logits: torch.Tensor,
+    probs: torch.Tensor,
+    of_rows: torch.Tensor | None,
+    k: torch.Tensor | None,
+    p: torch.Tensor | None,
+    width: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rows' `width` most likely tokens in the stable descending order of their logits: their final
-    probabilities (0 where top-k or top-p drop them), their ids, and which rows they settle (all, at full width)."""
+    probabilities (0 where top-k or top-p drop them), their ids, and which rows they settle (all, at full width).
+    logits: the rows'; probs: the whole batch's, the rows being `of_rows` of it (None: all)."""
     rows, vocab = logits.shape
     if width < vocab:
         index, settled = _largest(logits, width)
     else:
         index = logits.argsort(dim=-1, descending=True, stable=True)
         settled = torch.ones(rows, dtype=torch.bool, device=logits.device)
-    mass = probs.gather(-1, index)  # [R, W]
+    mass = probs.gather(-1, index) if of_rows is None else probs[of_rows.unsqueeze(1), index]  # [R, W]
     position = torch.arange(width, device=logits.device)
     k_on = k < vocab if k is not None else torch.zeros(rows, dtype=torch.bool, device=logits.device)
     within_k = k_on & (k <= width) if k is not None else k_on
@@ -256,26 +270,33 @@ def random_sample(probs: torch.Tensor, generators: list[torch.Generator | None])
 
 
 def exponential_race(
-    probs: torch.Tensor, generators: list[torch.Generator | None], support: torch.Tensor | None = None
+    probs: torch.Tensor | None,
+    generators: list[torch.Generator | None],
+    support: torch.Tensor | None = None,
+    support_probs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows [B, V] race their tokens of nonzero probability only (top-k, top-p and min-p leave few), in ascending
     id order, each drawing its q from its own generator (or the default one): a row's tokens do not depend on the
-    batch. `support`: those tokens if known (top_k_top_p_support's), else probs.nonzero() finds them. Returns the
-    winners [B], and the racing tokens as (row, id) pairs [N, 2] with their q [N]."""
+    batch. `support`, `support_probs`: those tokens and their probabilities if known (top_k_top_p_support's; then
+    `probs` may be None), else probs.nonzero() finds them. Returns the winners [B], and the racing tokens as
+    (row, id) pairs [N, 2] with their q [N]."""
     if support is None:
         support = probs.nonzero()  # [N, 2]: row by row, ids ascending
     rows, ids = support[:, 0], support[:, 1]
-    q = torch.empty(len(ids), dtype=probs.dtype, device=probs.device)
+    if support_probs is None:
+        support_probs = probs[rows, ids]
+    num_rows = len(generators)
+    q = torch.empty(len(ids), dtype=support_probs.dtype, device=support_probs.device)
     start = 0
-    for count, generator in zip(torch.bincount(rows, minlength=probs.shape[0]).tolist(), generators):
+    for count, generator in zip(torch.bincount(rows, minlength=num_rows).tolist(), generators):
         q[start : start + count].exponential_(generator=generator)
         start += count
     # Some backends' exponential_ can return 0; 0 / 0 = NaN would win.
-    keys = probs[rows, ids] / q.clamp_(min=torch.finfo(q.dtype).tiny)
+    keys = support_probs / q.clamp_(min=torch.finfo(q.dtype).tiny)
     # Each row's largest key, the first (lowest id) of equal ones, as argmax takes it.
-    best = torch.zeros(probs.shape[0], dtype=keys.dtype, device=keys.device).scatter_reduce_(0, rows, keys, "amax")
+    best = torch.zeros(num_rows, dtype=keys.dtype, device=keys.device).scatter_reduce_(0, rows, keys, "amax")
     position = torch.arange(len(ids), device=ids.device)
-    first = torch.full((probs.shape[0],), len(ids), device=ids.device).scatter_reduce_(
+    first = torch.full((num_rows,), len(ids), device=ids.device).scatter_reduce_(
         0, rows, torch.where(keys == best[rows], position, len(ids)), "amin"
     )
     return ids[first], support, q
@@ -301,8 +322,12 @@ class Sampler(torch.nn.Module):
 
     @staticmethod
     def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        probs, support = Sampler.distribution(logits, batch, with_support=True)
-        sampled = exponential_race(probs, batch.generators, support)[0]
+        scaled = Sampler.scaled(logits, batch)
+        if batch.any_top_k or batch.any_top_p:
+            probs, support, support_probs = top_k_top_p_support(scaled, *Sampler.cuts(batch))
+        else:
+            probs, support, support_probs = scaled.softmax(dim=-1), None, None
+        sampled = exponential_race(probs, batch.generators, support, support_probs)[0]
         if batch.all_random:
             return sampled
         return torch.where(batch.temperature < SAMPLING_EPS, argmax(logits), sampled)
@@ -311,23 +336,22 @@ class Sampler(torch.nn.Module):
     def probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """[B, V]: the distribution each row samples from, after temperature, min-p, top-k and top-p (greedy rows:
         temperature 1; their draw is replaced by the argmax). Also what speculative decoding verifies against."""
-        return Sampler.distribution(logits, batch, with_support=False)[0]
+        scaled = Sampler.scaled(logits, batch)
+        if batch.any_top_k or batch.any_top_p:
+            return top_k_top_p(scaled, *Sampler.cuts(batch))
+        return scaled.softmax(dim=-1)
 
     @staticmethod
-    def distribution(
-        logits: torch.Tensor, batch: SamplingBatch, with_support: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """probs(), and with_support its support where top-k or top-p found it (top_k_top_p_support), else None."""
-        is_greedy = batch.temperature < SAMPLING_EPS  # [B]
-        # Greedy rows sample at temperature 1 (no division by 0).
-        temperature = torch.where(is_greedy, 1.0, batch.temperature)
+    def scaled(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The logits at each row's temperature (greedy rows: 1, no division by 0), min-p applied."""
+        temperature = torch.where(batch.temperature < SAMPLING_EPS, 1.0, batch.temperature)
         scaled = logits / temperature.unsqueeze(1)
-        if batch.any_min_p:
-            scaled = apply_min_p(scaled, batch.min_p)
-        if batch.any_top_k or batch.any_top_p:
-            k, p = batch.top_k if batch.any_top_k else None, batch.top_p if batch.any_top_p else None
-            return top_k_top_p_support(scaled, k, p) if with_support else (top_k_top_p(scaled, k, p), None)
-        return scaled.softmax(dim=-1), None
+        return apply_min_p(scaled, batch.min_p) if batch.any_min_p else scaled
+
+    @staticmethod
+    def cuts(batch: SamplingBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Each row's top-k and top-p (None where no row cuts by it)."""
+        return batch.top_k if batch.any_top_k else None, batch.top_p if batch.any_top_p else None
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> SamplerOutput:
