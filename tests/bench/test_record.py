@@ -71,3 +71,14 @@ def test_what_record_writes_does_not_count_as_a_change(tmp_path):
     record.save("offline", "table", root)  # rewrites the README's table
     record.save("serve", "report", root)
     assert not json.loads((root / "benchmarks/results/serve.jsonl").read_text())["commit"].endswith("+changes")
+
+
+def test_the_readme_shows_the_default_models_newest_run_not_another_models(tmp_path, monkeypatch):
+    root = checkout(tmp_path)
+    monkeypatch.setattr("sys.argv", ["tokenloop", "bench", "--record"])
+    record.save("offline", "default model table", root)
+    monkeypatch.setattr("sys.argv", ["tokenloop", "bench", "--model", "gemma3-270m", "--record"])
+    record.save("offline", "gemma table", root)
+    readme, docs = (root / "README.md").read_text(), (root / "docs/benchmarks.md").read_text()
+    assert "default model table" in readme and "gemma table" not in readme
+    assert docs.index("gemma table") < docs.index("default model table")  # the docs keep every run, newest first

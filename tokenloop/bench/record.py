@@ -2,7 +2,7 @@
 
 Each recorded run appends one JSON line to benchmarks/results/<kind>.jsonl of the source checkout (KINDS), then
 docs/benchmarks.md is written anew from every line, newest first, and the README's table (between its
-`bench:start` and `bench:end` markers) shows the newest offline and serve runs.
+`bench:start` and `bench:end` markers) shows the newest offline and serve runs of the default model.
 Figures in the docs come from here, never typed in by hand.
 """
 
@@ -108,6 +108,12 @@ def _entry(row: dict) -> str:
     return f"{row['date']}, commit {row['commit']}, {row['cpu']}: `{row['command']}`\n\n```\n{row['report']}\n```\n"
 
 
+def _newest(rows: list[dict]) -> dict:
+    """The README's run of a kind: the newest of the default model (a command naming no --model), else the newest."""
+    default = [row for row in rows if not {"--model", "-m"} & set(shlex.split(row["command"]))]
+    return (default or rows)[-1]
+
+
 def render(root: Path) -> None:
     parts = [
         "# Benchmarks\n",
@@ -126,7 +132,7 @@ def render(root: Path) -> None:
     readme = root / "README.md"
     text = readme.read_text()
     if START in text and END in text:
-        newest = [_entry(rows[-1]) for rows in (load(root, "offline"), load(root, "serve")) if rows]
+        newest = [_entry(_newest(rows)) for rows in (load(root, "offline"), load(root, "serve")) if rows]
         body = "\n".join(newest) or "No run recorded yet: `tokenloop bench --engines tokenloop,llama-bench --record`.\n"
         head, rest = text.split(START, 1)
         readme.write_text(f"{head}{START}\n{body}{END}{rest.split(END, 1)[1]}")
