@@ -299,14 +299,15 @@ class BlockManager:
         size, full = self.block_size, seq.num_computed_tokens // self.block_size
         if self.enable_prefix_caching:
             extra, start = self.extra_key(seq), len(seq.block_hashes)
-            for i in range(start, full):
+            tokens = [tuple(seq.token_ids[i * size : (i + 1) * size]) for i in range(start, full)]
+            for i, block_tokens in enumerate(tokens, start):
                 parent = seq.block_hashes[i - 1] if i else ROOT_HASH
-                seq.block_hashes.append(self.block_hash(parent, tuple(seq.token_ids[i * size : (i + 1) * size]), extra))
+                seq.block_hashes.append(self.block_hash(parent, block_tokens, extra))
             for group, table in enumerate(seq.block_tables):
-                for i in range(start, full):
+                for i, block_tokens in enumerate(tokens, start):
                     block = self.blocks[table[i]] if table[i] != NULL_BLOCK else None
                     if block is not None and block.hash is None:  # a block taken from the cache has its hash
-                        block.token_ids, block.extra = tuple(seq.token_ids[i * size : (i + 1) * size]), extra
+                        block.token_ids, block.extra = block_tokens, extra
                         block.hash, block.group = seq.block_hashes[i], group
                         self.cached_by_group[group].setdefault(block.hash, block.block_id)
         # The next query is at num_computed_tokens or later; a block more is kept so that a fork one token back

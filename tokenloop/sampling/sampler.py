@@ -142,6 +142,8 @@ def _top_k_top_p(
     """top_k_top_p's distribution (None when not `dense` and the candidates settle every row), and the candidates
     that settled each row (None when a row keeps its whole distribution)."""
     probs = logits.softmax(dim=-1)
+    if k is None and p is None:
+        return probs, None
     rows, vocab = logits.shape
     active = torch.zeros(rows, dtype=torch.bool, device=logits.device)
     if k is not None:
@@ -322,11 +324,7 @@ class Sampler(torch.nn.Module):
 
     @staticmethod
     def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        scaled = Sampler.scaled(logits, batch)
-        if batch.any_top_k or batch.any_top_p:
-            probs, support, support_probs = top_k_top_p_support(scaled, *Sampler.cuts(batch))
-        else:
-            probs, support, support_probs = scaled.softmax(dim=-1), None, None
+        probs, support, support_probs = top_k_top_p_support(Sampler.scaled(logits, batch), *Sampler.cuts(batch))
         sampled = exponential_race(probs, batch.generators, support, support_probs)[0]
         if batch.all_random:
             return sampled
@@ -336,10 +334,7 @@ class Sampler(torch.nn.Module):
     def probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """[B, V]: the distribution each row samples from, after temperature, min-p, top-k and top-p (greedy rows:
         temperature 1; their draw is replaced by the argmax). Also what speculative decoding verifies against."""
-        scaled = Sampler.scaled(logits, batch)
-        if batch.any_top_k or batch.any_top_p:
-            return top_k_top_p(scaled, *Sampler.cuts(batch))
-        return scaled.softmax(dim=-1)
+        return top_k_top_p(Sampler.scaled(logits, batch), *Sampler.cuts(batch))
 
     @staticmethod
     def scaled(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -350,7 +345,7 @@ class Sampler(torch.nn.Module):
 
     @staticmethod
     def cuts(batch: SamplingBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Each row's top-k and top-p (None where no row cuts by it)."""
+        """Each row's top-k and top-p (None where no row cuts by it: both None, top_k_top_p is the softmax)."""
         return batch.top_k if batch.any_top_k else None, batch.top_p if batch.any_top_p else None
 
 
