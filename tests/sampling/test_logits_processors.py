@@ -98,6 +98,20 @@ def test_history_is_kept_incrementally_across_steps():
     assert c.history.banned_by_ngrams(tokens) == {1}  # after "3": "3 1" was seen
 
 
+@pytest.mark.parametrize("penalty", [2.2e-311, 1e-40, 1e-38])
+def test_a_penalty_below_float32s_range_keeps_every_row_a_distribution(penalty):
+    """A penalty > 0 that float32 rounds to 0 or divides past its largest number: the seen tokens of positive logit
+    take float32's largest logit, a masked one stays masked, and no logit is NaN (a NaN row has no token to
+    sample)."""
+    p = SamplingParams(repetition_penalty=penalty, allowed_token_ids=[1, 2, 3])
+    logits = torch.tensor([[0.0, 5.0, -2.0, 1.0] + [0.5] * (VOCAB - 4)])
+    out = apply_processors(logits, [p], [[0, 1, 2]], [LogitControls.for_request(p, 3, lambda text: [], [EOS])])
+    assert not out.isnan().any()
+    assert out[0, 1] == torch.finfo(torch.float32).max and out[0, 3] == 1.0
+    assert out[0, 0] == -math.inf and out[0, 4:].eq(-math.inf).all()
+    assert out.softmax(-1)[0].tolist() == [0.0, 1.0] + [0.0] * (VOCAB - 2)
+
+
 def test_bad_words_are_tokenized_with_and_without_a_leading_space():
     encodings = {"cat": [5], " cat": [6, 7]}
     c = LogitControls.for_request(SamplingParams(bad_words=["cat"]), 1, lambda text: encodings[text], [EOS])

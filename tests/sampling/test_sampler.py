@@ -246,3 +246,15 @@ def test_argmax_is_torchs_first_index_of_the_maximum(vocab):
     x[8, -5] = float("nan")
     assert torch.equal(argmax(x), x.argmax(dim=-1))
     assert torch.equal(argmax(x[4:5]), x[4:5].argmax(dim=-1))
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+@pytest.mark.parametrize("bad", [float("-inf"), float("nan")])
+def test_a_row_with_no_token_to_sample_is_a_clear_error(device, top_p, bad):
+    """A row whose logits are all -inf or NaN (no processor makes one: this is the sampler's last guard) fails with
+    a ValueError naming the row, on the dense path and on top-p's support, instead of an index out of range."""
+    logits = random_logits(3, 50, device)
+    logits[1] = bad
+    params = [SamplingParams(temperature=0.8, top_p=top_p, seed=s) for s in range(3)]
+    with pytest.raises(ValueError, match="row 1 has no token of nonzero probability"):
+        sampler(logits, make_batch(params, 50, device))

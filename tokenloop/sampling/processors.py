@@ -166,11 +166,16 @@ def _penalties(out: torch.Tensor, b: ProcessorRows) -> None:
             counts[j, ids] = torch.tensor(list(history.output_counts.values()), dtype=torch.float32, device=device)
     index = torch.tensor(penalized, device=device)
     sub = out[index]
+    # A penalty too small for float32 would be 0 (a masked -inf times 0 is NaN), and dividing by one near it can
+    # pass float32's largest logit (+inf makes the row's softmax NaN): both stay at float32's bounds instead.
+    floats = torch.finfo(sub.dtype)
     repetition = torch.tensor([params[i].repetition_penalty for i in penalized], device=device).unsqueeze(1)
+    repetition.clamp_(min=floats.tiny)
     seen = counts > 0
     for j, i in enumerate(penalized):
         seen[j, b.controls[i].history.prompt_ids.to(device)] = True
-    sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
+    divided = (sub / repetition).clamp_(max=floats.max)
+    sub = torch.where(seen, torch.where(sub > 0, divided, sub * repetition), sub)
     presence = torch.tensor([params[i].presence_penalty for i in penalized], device=device).unsqueeze(1)
     frequency = torch.tensor([params[i].frequency_penalty for i in penalized], device=device).unsqueeze(1)
     out[index] = sub - frequency * counts - presence * (counts > 0)

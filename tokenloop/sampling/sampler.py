@@ -280,17 +280,22 @@ def exponential_race(
     """Rows [B, V] race their tokens of nonzero probability only (top-k, top-p and min-p leave few), in ascending
     id order, each drawing its q from its own generator (or the default one): a row's tokens do not depend on the
     batch. `support`, `support_probs`: those tokens and their probabilities if known (top_k_top_p_support's; then
-    `probs` may be None), else probs.nonzero() finds them. Returns the winners [B], and the racing tokens as
+    `probs` may be None), else those of probs > 0. Returns the winners [B], and the racing tokens as
     (row, id) pairs [N, 2] with their q [N]."""
     if support is None:
-        support = probs.nonzero()  # [N, 2]: row by row, ids ascending
+        support = (probs > 0).nonzero()  # [N, 2]: row by row, ids ascending (a NaN is not a probability)
     rows, ids = support[:, 0], support[:, 1]
     if support_probs is None:
         support_probs = probs[rows, ids]
     num_rows = len(generators)
     q = torch.empty(len(ids), dtype=support_probs.dtype, device=support_probs.device)
+    counts = torch.bincount(rows, minlength=num_rows).tolist()
+    if 0 in counts:
+        raise ValueError(
+            f"row {counts.index(0)} has no token of nonzero probability to sample: its logits are all -inf or NaN"
+        )
     start = 0
-    for count, generator in zip(torch.bincount(rows, minlength=num_rows).tolist(), generators):
+    for count, generator in zip(counts, generators):
         q[start : start + count].exponential_(generator=generator)
         start += count
     # Some backends' exponential_ can return 0; 0 / 0 = NaN would win.
