@@ -18,6 +18,7 @@ from tokenloop.engine.block_manager import NULL_BLOCK, BlockManager, block_ident
 from tokenloop.engine.config import EngineConfig, compile_spec
 from tokenloop.engine.executor import StepExecutor, StepResult
 from tokenloop.engine.faults import FaultInjection
+from tokenloop.engine.host_memory import keep_freed_memory
 from tokenloop.engine.input_processor import InputProcessor, ProcessedPrompt, Prompt
 from tokenloop.engine.kv_groups import kv_cache_windows
 from tokenloop.engine.lora import LoRAManager, LoRARequest, LoRASlot
@@ -49,6 +50,8 @@ class LLMEngine:
                 )
             torch.set_num_threads(threads)
         loaded = load_model(config.model, config.torch_dtype, device, keep_quantized=config.dtype == "auto")
+        if device.type == "cpu":  # after loading: its temporaries are given back as before
+            keep_freed_memory()
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.max_model_len = config.context_length(loaded.config)
