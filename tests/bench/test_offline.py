@@ -86,3 +86,19 @@ def test_an_engines_runs_give_its_best_figures():
         100.0,
     )
     assert best_result([*runs, EngineResult("e", error="boom")]).error == "boom"
+
+
+def test_the_median_statistic_takes_each_figures_median_and_the_highest_rss():
+    from tokenloop.bench.offline import best_result
+
+    runs = [
+        EngineResult("e", decode_tps=d, ttft_ms=t, batch_tps={"32": b}, peak_rss_mib=m)
+        for d, t, b, m in [(10.0, 30.0, 5.0, 100.0), (30.0, 10.0, 9.0, 90.0), (12.0, 50.0, 7.0, 95.0)]
+    ]
+    median = best_result(runs, "median")
+    assert (median.decode_tps, median.ttft_ms, median.batch_tps, median.peak_rss_mib) == (
+        12.0,
+        30.0,
+        {"32": 7.0},
+        100.0,
+    )

@@ -3,7 +3,8 @@
 Each engine runs in a subprocess of its own (so that peak RSS is its own); the table prints tokenloop/peer
 ratios from this one run. llama.cpp (`pip install -e .[bench]`) and transformers are used when installed.
 Every timed figure is the best of `repeats` runs, for every engine alike: on a shared machine a run is
-only ever slowed down by others, and one slow run of one engine would otherwise decide a ratio. The runs go
+only ever slowed down by others, and one slow run of one engine would otherwise decide a ratio (`--median`: their
+median instead, which one lucky run cannot lift either). The runs go
 in rounds, every engine once a round in turn, so that the engines meet the same spells of a busy machine: run
 engine by engine, a spell that fell on one engine's runs decided the ratio (two runs of the same build, minutes
 apart on 2 shared cores, measured Gemma 3's decode ratio at 1.33x and 1.02x).
@@ -15,6 +16,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -41,7 +43,8 @@ class BenchConfig:
     decode_tokens: int = 128
     prefill_tokens: int = 1024
     batch_sizes: tuple[int, ...] = (8, 32)
-    repeats: int = 3  # each timed figure: the best of this many runs
+    repeats: int = 3  # each timed figure: the best (or the median) of this many runs
+    statistic: str = "best"  # or "median": how an engine's runs make its figure
     llama_cpp_bin: str | None = None  # a folder with llama-bench; None = build it into $TOKENLOOP_HOME/peers
     decode_only: bool = False  # only the single-stream decode figure (the busy-core row)
 
@@ -220,31 +223,36 @@ def run_engine(engine: str, cfg: BenchConfig) -> EngineResult:
     return EngineResult(**json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
-def best_of_rounds(runs: list[tuple[str, BenchConfig]], repeats: int) -> list[EngineResult]:
-    """Each (engine, its config)'s best figures over `repeats` rounds, a round running every engine once in turn."""
+def best_of_rounds(runs: list[tuple[str, BenchConfig]], repeats: int, statistic: str = "best") -> list[EngineResult]:
+    """Each (engine, its config)'s figures over `repeats` rounds (`statistic`: their best or their median), a round
+    running every engine once in turn."""
     rounds = [[run_engine(engine, replace(cfg, repeats=1)) for engine, cfg in runs] for _ in range(repeats)]
-    return [best_result(list(results)) for results in zip(*rounds)]
+    return [best_result(list(results), statistic) for results in zip(*rounds)]
 
 
-def best_result(runs: list[EngineResult]) -> EngineResult:
-    """One engine's runs as one result: the highest rates, the shortest time to first token, the highest peak
-    RSS (the memory it needs); a failed run, if any, instead."""
+def best_result(runs: list[EngineResult], statistic: str = "best") -> EngineResult:
+    """One engine's runs as one result: the highest rates and the shortest time to first token (`statistic`
+    "median": the median of each), the highest peak RSS (the memory it needs); a failed run, if any, instead."""
     if failed := next((r for r in runs if r.error is not None), None):
         return failed
+    median = statistic == "median"
+
+    def summary(values: list[float], pick=max) -> float:
+        return statistics.median(values) if median else pick(values)
 
     def best(field: str, pick=max):
         values = [getattr(r, field) for r in runs if getattr(r, field) is not None]
-        return pick(values) if values else None
+        return summary(values, pick) if values else None
 
     batches = [r.batch_tps for r in runs if r.batch_tps]
-    batch = {size: max(b[size] for b in batches) for size in batches[0]} if batches else None
+    batch = {size: summary([b[size] for b in batches]) for size in batches[0]} if batches else None
     return replace(
         runs[0],
         decode_tps=best("decode_tps"),
         prefill_tps=best("prefill_tps"),
         ttft_ms=best("ttft_ms", min),
         batch_tps=batch,
-        peak_rss_mib=best("peak_rss_mib"),
+        peak_rss_mib=max((r.peak_rss_mib for r in runs if r.peak_rss_mib is not None), default=None),
         busy_decode_tps=best("busy_decode_tps"),
         sampled_batch_tps=best("sampled_batch_tps"),
     )
@@ -304,7 +312,9 @@ def format_table(results: list[EngineResult], cfg: BenchConfig, bandwidth: float
         lines.append(f"sampled ({settings}) / greedy at {largest} concurrent: {ratio:.2f}x")
     lines += [f"{r.engine}: {r.error}" for r in results if r.error]
     lines += [f"{r.engine}: {r.note}" for r in results if r.note]
-    timing = f"the best of {cfg.repeats} runs, in rounds of one run per engine" if cfg.repeats > 1 else "one run"
+    timing = (
+        f"the {cfg.statistic} of {cfg.repeats} runs, in rounds of one run per engine" if cfg.repeats > 1 else "one run"
+    )
     lines.append(f"ratio = tokenloop / peer; each timed figure is {timing} (llama-bench: one repetition a run).")
     lines.append("The peers run one sequence at a time: a concurrent row's peer figure is its single-stream decode.")
     return "\n".join(lines)
@@ -332,6 +342,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "each timed figure is the best of this many runs "
             "(--speculative: each ratio the median of this many paired runs)"
         ),
+    )
+    parser.add_argument(
+        "--median",
+        action="store_true",
+        help="each timed figure is the median of the --repeats runs instead of their best",
     )
     parser.add_argument(
         "--busy-core",
@@ -378,12 +393,13 @@ def main_from_args(args: argparse.Namespace) -> int:
         args.decode_tokens,
         args.prefill_tokens,
         repeats=args.repeats,
+        statistic="median" if args.median else "best",
         llama_cpp_bin=args.llama_cpp_bin,
     )
     engines = ["tokenloop"] + [e for e in args.engines.split(",") if e in ENGINES and e != "tokenloop"]
     if cfg.compile:
         build_compiled_package(cfg.model, cfg.dtype)
-    results = best_of_rounds([(e, cfg) for e in engines], cfg.repeats)
+    results = best_of_rounds([(e, cfg) for e in engines], cfg.repeats, cfg.statistic)
     if args.busy_core:
         add_busy_core_decode(results, cfg)
     table = format_table(results, cfg, memory_bandwidth_gbs())
@@ -404,7 +420,7 @@ def add_busy_core_decode(results: list[EngineResult], cfg: BenchConfig) -> None:
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(1)
-        for r, busy in zip(measured, best_of_rounds(runs, cfg.repeats)):
+        for r, busy in zip(measured, best_of_rounds(runs, cfg.repeats, cfg.statistic)):
             r.busy_decode_tps = busy.decode_tps
     finally:
         hog.kill()
