@@ -1,5 +1,6 @@
-"""tokenloop's top_candidates kernel: each row's k largest values in the order of a stable descending sort (equal
-values by index, NaN first, as torch.sort ranks it), for any k, ties and all."""
+"""tokenloop's sampling softmax kernels: each row's softmax at its temperature, whole (scaled_softmax) or for its k
+most likely tokens (top_candidates), those in the order of a stable descending sort of x / t (equal values by
+index, NaN first, as torch.sort ranks it), for any k, ties and all, with the whole distribution's own floats."""
 
 from __future__ import annotations
 
@@ -30,17 +31,53 @@ def rows() -> torch.Tensor:
     return x
 
 
+ops = torch.ops.tokenloop
+TEMPERATURE = torch.tensor([0.8, 1.0, 1.3, 0.05, 2.0, 1.0, 0.7, 1.0])
+
+
+def candidates(x, t, rows, k):
+    return ops.top_candidates(x, t, *ops.softmax_normalizers(x, t), rows, k)
+
+
 @pytest.mark.parametrize("k", [1, 7, 33, 257, 2049, 3001])
-def test_the_k_largest_in_the_stable_descending_order(k):
-    x = rows()
-    values, index = torch.ops.tokenloop.top_candidates(x, k)
-    expected = x.argsort(dim=-1, descending=True, stable=True)[:, :k]
+def test_the_k_most_likely_in_the_stable_descending_order_with_the_distributions_floats(k):
+    x, t = rows(), TEMPERATURE
+    everything = torch.arange(len(x))
+    probs, index = candidates(x, t, everything, k)
+    expected = (x / t.unsqueeze(1)).argsort(dim=-1, descending=True, stable=True)[:, :k]
     assert torch.equal(index, expected)
-    torch.testing.assert_close(values, x.gather(1, expected), rtol=0, atol=0, equal_nan=True)
+    dense = ops.scaled_softmax(x, t, *ops.softmax_normalizers(x, t), everything)
+    torch.testing.assert_close(probs, dense.gather(1, expected), rtol=0, atol=0, equal_nan=True)
+
+
+def test_the_softmax_is_pytorchs_within_float_error_and_a_row_without_one_is_nan():
+    x, t = rows(), TEMPERATURE
+    dense = ops.scaled_softmax(x, t, *ops.softmax_normalizers(x, t), torch.arange(len(x)))
+    expected = (x / t.unsqueeze(1)).softmax(dim=-1)
+    finite = [0, 1, 2, 4, 5, 7]  # row 3 holds NaN, row 6 +inf: neither is a distribution
+    torch.testing.assert_close(dense[finite], expected[finite], rtol=2e-6, atol=1e-9)
+    assert dense[3].isnan().all() and dense[6].isnan().all()
+    all_masked = torch.full((1, 40), float("-inf"))
+    assert ops.softmax_normalizers(all_masked, torch.ones(1))[1].isnan().all()
+
+
+def test_a_row_is_the_same_floats_alone_or_among_others():
+    x, t = rows(), TEMPERATURE
+    probs, index = candidates(x, t, torch.arange(len(x)), 40)
+    some = torch.tensor([5, 0, 2])
+    alone = candidates(x, t, some, 40)
+    assert torch.equal(alone[1], index[some]) and torch.equal(alone[0], probs[some])
+    one = candidates(x[2:3].contiguous(), t[2:3].contiguous(), torch.arange(1), 40)
+    assert torch.equal(one[0], probs[2:3]) and torch.equal(one[1], index[2:3])
 
 
 def test_bad_inputs_raise_a_clear_error():
+    x, t = torch.randn(2, 5), torch.ones(2)
     with pytest.raises(RuntimeError, match="k must be in"):
-        torch.ops.tokenloop.top_candidates(torch.randn(2, 5), 6)
+        candidates(x, t, torch.arange(2), 6)
     with pytest.raises(RuntimeError, match="contiguous"):
-        torch.ops.tokenloop.top_candidates(torch.randn(2, 5).double(), 2)
+        ops.softmax_normalizers(x.double(), t)
+    with pytest.raises(RuntimeError, match="temperature must be"):
+        ops.softmax_normalizers(x, torch.ones(3))
+    with pytest.raises(RuntimeError, match=r"rows must be in \[0, 2\), got 2"):
+        candidates(x, t, torch.tensor([0, 2]), 3)

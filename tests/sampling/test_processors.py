@@ -140,11 +140,11 @@ def test_top_k_and_top_p_on_a_rows_few_largest_logits_equal_a_full_sort(data):
     k, p = (k if use_k else None), (p if use_p else None)
     full, original, available = None, sampler.CANDIDATES, kernels.cpu_kernels_available
     try:
+        if data.draw(st.booleans()):
+            kernels.cpu_kernels_available = lambda: False  # PyTorch's softmax and torch.topk's candidates
         sampler.CANDIDATES = ()
         full = apply_top_k_top_p(logits, k, p)
         sampler.CANDIDATES = data.draw(st.sampled_from([(1,), (2, 5), (3,), (4, 8)]))
-        if data.draw(st.booleans()):
-            kernels.cpu_kernels_available = lambda: False  # torch.topk's candidates
         partial = apply_top_k_top_p(logits, k, p)
     finally:
         sampler.CANDIDATES, kernels.cpu_kernels_available = original, available

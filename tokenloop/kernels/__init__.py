@@ -10,8 +10,10 @@
   KV cache (laid out for it: kv_cache.h), each query row in one fixed order whatever the call: bfloat16 products
   on a bfloat16 cache (CPUs with AVX512-BF16), float32 on a float16 or float32 one, integer on an int8 one.
 - `rms_norm.cpp` normalises rows in one pass (eager PyTorch makes six).
-- `top_candidates.cpp` selects each row's k largest logits in a stable sort's order, for top-k and top-p
-  sampling, in one pass (torch.topk orders ties arbitrarily, and was most of a sampled step's sampling).
+- `top_candidates.cpp` is the sampler's softmax at each row's temperature: its normalisers in two passes that
+  write nothing, then whole rows, or a row's k most likely tokens in a stable sort's order with their
+  probabilities, for top-k and top-p sampling (torch.topk orders ties arbitrarily; dividing, normalising and
+  selecting were each a pass over every row).
 - `rotary_cache.cpp` rotates queries and keys and writes keys and values into the cache in one pass (eager
   PyTorch makes about nine).
 

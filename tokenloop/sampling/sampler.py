@@ -90,6 +90,67 @@ class SamplerOutput:
     ranks: torch.Tensor | None  # [B] int64: 1-based rank of the chosen token in the raw distribution
 
 
+@dataclass(slots=True)
+class ScaledLogits:
+    """Rows of logits [R, V] at their temperatures [R], and the distribution sampling draws from: their softmax,
+    which top-k and top-p then cut and renormalise. One definition of its floats wherever they are read (a whole
+    row, or only its most likely tokens, whatever the other rows): tokenloop's kernel on the CPU, which divides by
+    the temperature, normalises and selects a row's candidates without writing a [R, V] tensor (those passes were
+    most of a sampled step's sampling); PyTorch's division and softmax elsewhere."""
+
+    logits: torch.Tensor  # [R, V] float32, contiguous
+    temperature: torch.Tensor  # [R] float32, > 0
+    normalizers: tuple[torch.Tensor, torch.Tensor] | None = None  # kernel: per row, the largest logit / t, the sum
+    softmax: torch.Tensor | None = None  # PyTorch: the whole distribution [R, V]
+
+    @classmethod
+    def of(cls, logits: torch.Tensor, temperature: torch.Tensor | None = None) -> ScaledLogits:
+        """`logits` at `temperature` (None: 1)."""
+        logits = logits.float().contiguous()
+        if temperature is None:
+            temperature = torch.ones(len(logits), dtype=torch.float32, device=logits.device)
+        dist = cls(logits, temperature.float().contiguous())
+        if logits.device.type == "cpu" and kernels.cpu_kernels_available():
+            dist.normalizers = torch.ops.tokenloop.softmax_normalizers(dist.logits, dist.temperature)
+        else:
+            dist.softmax = (logits / dist.temperature.unsqueeze(1)).softmax(dim=-1)
+        return dist
+
+    def probs(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The distribution of `rows` (None: all) [R', V]."""
+        if self.normalizers is None:
+            return self.softmax if rows is None else self.softmax[rows]
+        return torch.ops.tokenloop.scaled_softmax(self.logits, self.temperature, *self.normalizers, self._rows(rows))
+
+    def scaled(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits of `rows` at their temperatures [R', V]."""
+        if rows is None:
+            return self.logits / self.temperature.unsqueeze(1)
+        return self.logits[rows] / self.temperature[rows].unsqueeze(1)
+
+    def largest(self, rows: torch.Tensor | None, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The `width` most likely tokens of `rows` in the stable descending order of their scaled logits (equal
+        ones: the lower id first): their probabilities and ids [R', width], and the rows for which that is sure:
+        the kernel selects them so; elsewhere topk does, whose order among ties is arbitrary, so a tie across the
+        edge leaves the row to a wider pass."""
+        if self.normalizers is not None:
+            probs, index = torch.ops.tokenloop.top_candidates(
+                self.logits, self.temperature, *self.normalizers, self._rows(rows), width
+            )
+            return probs, index, torch.ones(len(index), dtype=torch.bool, device=index.device)
+        values, index = self.scaled(rows).topk(width + 1, dim=-1)  # [R', W + 1]; ties in no particular order
+        # A tie across the edge (the first token left out equal to the last one taken) could leave a lower id out.
+        settled = values[:, width - 1] != values[:, width]
+        values, index = values[:, :width], index[:, :width]
+        by_id = index.argsort(dim=-1)  # equal logits: the lower id first, as a stable sort of the row puts them
+        values, index = values.gather(-1, by_id), index.gather(-1, by_id)
+        index = index.gather(-1, values.argsort(dim=-1, descending=True, stable=True))
+        return self.probs(rows).gather(-1, index), index, settled
+
+    def _rows(self, rows: torch.Tensor | None) -> torch.Tensor:
+        return torch.arange(len(self.logits), device=self.logits.device) if rows is None else rows
+
+
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) tokens whose probability is below min_p[row] × the row's top probability."""
     probs = logits.softmax(dim=-1)  # [B, V]
@@ -112,48 +173,55 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Ten
 
 
 def top_k_top_p_support(
-    logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None
+    logits: torch.Tensor | ScaledLogits, k: torch.Tensor | None, p: torch.Tensor | None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """top_k_top_p's distribution by its support, found among the candidates, when top-k or top-p cuts every row:
     (None, the (row, id) pairs of nonzero probability [N, 2] as probs.nonzero() lists them, their probabilities
     [N]); else, when a row keeps its whole distribution, (the distribution [B, V], None, None)."""
-    out, kept = _top_k_top_p(logits, k, p, dense=False)
+    dist = _scaled(logits)
+    out, kept = _top_k_top_p(dist, k, p, dense=False)
     if kept is None:
         return out, None, None
-    return None, *_support(kept, logits.shape[1])
+    return None, *_support(kept, dist.logits.shape[1])
 
 
-def top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
-    """Each row's distribution [B, V] after top-k, then top-p (zeros where removed).
+def top_k_top_p(logits: torch.Tensor | ScaledLogits, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+    """Each row's distribution [B, V] after top-k, then top-p (zeros where removed); `logits` at temperature 1 unless
+    given as ScaledLogits.
 
     top-k keeps exactly k tokens; among equal logits the lower token id wins (as torch.argmax).
     top-p keeps the shortest prefix of the descending order (probabilities renormalised after top-k) whose mass
     reaches p: a token is dropped once the mass before it is at least p; the top token always stays.
-    The probabilities are the row's softmax, renormalised over what is kept. Each row is decided on its
-    `CANDIDATES` largest logits when they settle it (its k is within them and its nucleus ends within them), else on
-    its whole sorted row: the same rule either way, and a row's path depends on its own logits only.
+    The probabilities are the row's softmax (ScaledLogits'), renormalised over what is kept. Each row is decided
+    on its `CANDIDATES` most likely tokens when they settle it (its k is within them and its nucleus ends within
+    them), else on its whole sorted row: the same rule either way, and a row's path depends on its own logits only.
     """
-    return _top_k_top_p(logits, k, p)[0]
+    return _top_k_top_p(_scaled(logits), k, p)[0]
+
+
+def _scaled(logits: torch.Tensor | ScaledLogits) -> ScaledLogits:
+    return logits if isinstance(logits, ScaledLogits) else ScaledLogits.of(logits)
 
 
 def _top_k_top_p(
-    logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None, dense: bool = True
+    dist: ScaledLogits, k: torch.Tensor | None, p: torch.Tensor | None, dense: bool = True
 ) -> tuple[torch.Tensor | None, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None]:
     """top_k_top_p's distribution (None when not `dense` and the candidates settle every row), and the candidates
     that settled each row (None when a row keeps its whole distribution)."""
-    probs = logits.softmax(dim=-1)
     if k is None and p is None:
-        return probs, None
-    rows, vocab = logits.shape
-    active = torch.zeros(rows, dtype=torch.bool, device=logits.device)
+        return dist.probs(), None
+    rows, vocab = dist.logits.shape
+    device = dist.logits.device
+    active = torch.zeros(rows, dtype=torch.bool, device=device)
     if k is not None:
         active |= k < vocab
     if p is not None:
         active |= p < 1.0
     every_row_active = bool(active.all())
-    out = torch.zeros_like(probs) if dense or not every_row_active else None
+    out = torch.zeros(rows, vocab, device=device) if dense or not every_row_active else None
     if not every_row_active:
-        out[~active] = probs[~active]
+        idle = (~active).nonzero().squeeze(1)
+        out[idle] = dist.probs(idle)
     pending = active.nonzero().squeeze(1)
     kept = []  # (rows, their candidates' ids, their probabilities), as each width settles rows
     for width in (*(c for c in CANDIDATES if c < vocab), vocab):
@@ -161,7 +229,7 @@ def _top_k_top_p(
             break
         whole = len(pending) == rows
         sub = (lambda t: t) if whole else (lambda t: t[pending] if t is not None else None)
-        row_probs, index, settled = _nucleus(sub(logits), probs, None if whole else pending, sub(k), sub(p), width)
+        row_probs, index, settled = _nucleus(dist, None if whole else pending, sub(k), sub(p), width)
         if whole and settled.all():
             kept.append((pending, index, row_probs))
             if out is not None:
@@ -189,8 +257,7 @@ def _support(
 
 
 def _nucleus(
-    logits: torch.Tensor,
-    probs: torch.Tensor,
+    dist: ScaledLogits,
     of_rows: torch.Tensor | None,
     k: torch.Tensor | None,
     p: torch.Tensor | None,
@@ -198,20 +265,21 @@ def _nucleus(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rows' `width` most likely tokens in the stable descending order of their logits: their final
     probabilities (0 where top-k or top-p drop them), their ids, and which rows they settle (all, at full width).
-    logits: the rows'; probs: the whole batch's, the rows being `of_rows` of it (None: all)."""
-    rows, vocab = logits.shape
+    The rows are `of_rows` of `dist` (None: all)."""
+    vocab = dist.logits.shape[1]
     if width < vocab:
-        index, settled = _largest(logits, width)
+        mass, index, settled = dist.largest(of_rows, width)
     else:
-        index = logits.argsort(dim=-1, descending=True, stable=True)
-        settled = torch.ones(rows, dtype=torch.bool, device=logits.device)
-    mass = probs.gather(-1, index) if of_rows is None else probs[of_rows.unsqueeze(1), index]  # [R, W]
-    position = torch.arange(width, device=logits.device)
-    k_on = k < vocab if k is not None else torch.zeros(rows, dtype=torch.bool, device=logits.device)
+        index = dist.scaled(of_rows).argsort(dim=-1, descending=True, stable=True)
+        mass = dist.probs(of_rows).gather(-1, index)
+        settled = torch.ones(len(index), dtype=torch.bool, device=index.device)
+    rows, device = len(index), index.device
+    position = torch.arange(width, device=device)
+    k_on = k < vocab if k is not None else torch.zeros(rows, dtype=torch.bool, device=device)
     within_k = k_on & (k <= width) if k is not None else k_on
     if k is not None:
         mass = mass.masked_fill(position >= k.unsqueeze(1), 0.0)
-    reached = torch.zeros(rows, dtype=torch.bool, device=logits.device)
+    reached = torch.zeros(rows, dtype=torch.bool, device=device)
     if p is not None:
         # Renormalised over what top-k left: known from the candidates only when k is among them.
         total = torch.where(within_k, mass.sum(dim=-1), 1.0).unsqueeze(1)
@@ -222,22 +290,6 @@ def _nucleus(
     if width < vocab:
         settled &= within_k | (~k_on & reached)
     return mass / mass.sum(dim=-1, keepdim=True), index, settled
-
-
-def _largest(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ids of each row's `width` largest logits in the stable descending order (equal logits: the lower id
-    first), and the rows for which that is sure: tokenloop's kernel selects them so on the CPU; elsewhere topk
-    does, whose order among ties is arbitrary, so a tie across the edge leaves the row to a wider pass."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and kernels.cpu_kernels_available():
-        _, index = torch.ops.tokenloop.top_candidates(logits.contiguous(), width)
-        return index, torch.ones(len(logits), dtype=torch.bool, device=logits.device)
-    values, index = logits.topk(width + 1, dim=-1)  # [R, W + 1]; ties in no particular order
-    # A tie across the edge (the first token left out equal to the last one taken) could leave a lower id out.
-    settled = values[:, width - 1] != values[:, width]
-    values, index = values[:, :width], index[:, :width]
-    by_id = index.argsort(dim=-1)  # equal logits: the lower id first, as a stable sort of the row puts them
-    values, index = values.gather(-1, by_id), index.gather(-1, by_id)
-    return index.gather(-1, values.argsort(dim=-1, descending=True, stable=True)), settled
 
 
 ARGMAX_BLOCK = 1024
@@ -342,11 +394,12 @@ class Sampler(torch.nn.Module):
         return top_k_top_p(Sampler.scaled(logits, batch), *Sampler.cuts(batch))
 
     @staticmethod
-    def scaled(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def scaled(logits: torch.Tensor, batch: SamplingBatch) -> ScaledLogits:
         """The logits at each row's temperature (greedy rows: 1, no division by 0), min-p applied."""
         temperature = torch.where(batch.temperature < SAMPLING_EPS, 1.0, batch.temperature)
-        scaled = logits / temperature.unsqueeze(1)
-        return apply_min_p(scaled, batch.min_p) if batch.any_min_p else scaled
+        if batch.any_min_p:
+            return ScaledLogits.of(apply_min_p(logits / temperature.unsqueeze(1), batch.min_p))
+        return ScaledLogits.of(logits, temperature)
 
     @staticmethod
     def cuts(batch: SamplingBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -40,7 +40,7 @@ def distribution_stages(
 
         row = apply_processors(row, [params], [token_ids], [controls], after_each=keep)
     if params.temperature < SAMPLING_EPS:  # the argmax of the processors' logits is the choice
-        return [*stages, _final(row[0].softmax(dim=-1))]
+        return [*stages, _final(top_k_top_p(row, None, None)[0])]
     # As Sampler.probs computes them, with the same tensors (a row's floats are then the engine's to the bit).
     row = row / torch.tensor([params.temperature]).unsqueeze(1)
     stages.append(Stage("temperature", row[0].clone()))
@@ -51,7 +51,7 @@ def distribution_stages(
     k = torch.tensor([params.top_k]) if 0 < params.top_k < vocab else None
     p = torch.tensor([params.top_p]) if params.top_p < 1.0 else None
     if k is None and p is None:
-        return [*stages, _final(row.softmax(dim=-1)[0])]
+        return [*stages, _final(top_k_top_p(row, None, None)[0])]
     if k is not None:
         stages.append(Stage("top_k", apply_top_k_top_p(row, k, None)[0]))
     probs = top_k_top_p(row, k, p)  # top-p over what top-k left: the sampler's one call with both
