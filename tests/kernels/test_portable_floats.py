@@ -9,13 +9,12 @@ import sys
 
 import pytest
 import torch
-from torch.utils import cpp_extension
 
 from tokenloop import kernels
 from tokenloop.models import kv_layout
 
 pytestmark = [
-    pytest.mark.slow,  # builds the library once more (about 40 s on 2 cores)
+    pytest.mark.slow,  # builds the library once more (about 30 s on 2 cores)
     pytest.mark.skipif(kernels._unsupported_reason() is not None, reason=str(kernels._unsupported_reason())),
 ]
 
@@ -46,12 +45,7 @@ def test_the_avx2_build_gives_the_floats_of_this_one(tmp_path):
         pytest.skip("this CPU has no AVX-512: its build is the AVX2 one")
     assert kernels.cpu_kernels_available()
     library = tmp_path / "avx2.so"
-    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    libraries = [f for p in cpp_extension.library_paths() for f in (f"-L{p}", f"-Wl,-rpath,{p}")]
-    sources = list(map(str, kernels.SOURCES))
-    command = [kernels._compiler(), *kernels.CXX_FLAGS, abi, *includes, *sources, "-o", str(library), *libraries]
-    subprocess.run([*command, "-lc10", "-ltorch_cpu"], check=True, capture_output=True)
+    kernels.build_library(kernels.CXX_FLAGS, library)
     inputs = attention_inputs()
     torch.save(inputs, tmp_path / "inputs.pt")
     child = [sys.executable, "-c", CHILD, str(library), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")]
