@@ -597,6 +597,22 @@ def test_logits_processors_alone_equal_them_inside_a_batch_of_32_with_plain_rows
     assert together == expected and penalized_reference != reference
 
 
+def test_a_penalty_below_float32s_range_samples_the_same_tokens_alone_batched_and_chunked(
+    tiny_llm, make_llm, tiny_model_folder
+):
+    """repetition_penalty 1e-40 (float32 rounds it past its range: issue 37's schemathesis case) on seeded top-p
+    rows: alone, every other row of a batch of 32 beside plain seeded rows, and chunked without prefix caching."""
+    tiny = seeded(5, max_tokens=16, repetition_penalty=1e-40, logprobs=None)
+    alone = [o.outputs[0].token_ids for o in tiny_llm.generate(PROMPTS, tiny, use_tqdm=False)]
+    batch = (PROMPTS * 6)[:32]
+    params = [tiny if i % 2 else seeded(i, max_tokens=16, logprobs=None) for i in range(32)]
+    together = [o.outputs[0].token_ids for o in tiny_llm.generate(batch, params, use_tqdm=False)]
+    index = {p: i for i, p in enumerate(PROMPTS)}
+    assert [together[i] for i in range(1, 32, 2)] == [alone[index[batch[i]]] for i in range(1, 32, 2)]
+    chunked = make_llm(tiny_model_folder, max_num_batched_tokens=7, enable_prefix_caching=False)
+    assert [o.outputs[0].token_ids for o in chunked.generate(PROMPTS, tiny, use_tqdm=False)] == alone
+
+
 @pytest.mark.parametrize(
     "engine_args",
     [{"enable_prefix_caching": False}, {"max_num_batched_tokens": 7}, {}],

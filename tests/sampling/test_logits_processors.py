@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenloop.sampling.params import SamplingParams
-from tokenloop.sampling.processors import LogitControls, apply_processors
+from tokenloop.sampling.params import SAMPLING_EPS, SamplingParams
+from tokenloop.sampling.processors import LARGEST_LOGIT, LogitControls, apply_processors
 
 VOCAB = 24
 EOS = 23
@@ -101,13 +101,14 @@ def test_history_is_kept_incrementally_across_steps():
 @pytest.mark.parametrize("penalty", [2.2e-311, 1e-40, 1e-38])
 def test_a_penalty_below_float32s_range_keeps_every_row_a_distribution(penalty):
     """A penalty > 0 that float32 rounds to 0 or divides past its largest number: the seen tokens of positive logit
-    take float32's largest logit, a masked one stays masked, and no logit is NaN (a NaN row has no token to
-    sample)."""
+    take LARGEST_LOGIT, which the smallest temperature still divides to a finite number, a masked one stays
+    masked, and no logit is NaN (a NaN row has no token to sample)."""
     p = SamplingParams(repetition_penalty=penalty, allowed_token_ids=[1, 2, 3])
     logits = torch.tensor([[0.0, 5.0, -2.0, 1.0] + [0.5] * (VOCAB - 4)])
     out = apply_processors(logits, [p], [[0, 1, 2]], [LogitControls.for_request(p, 3, lambda text: [], [EOS])])
     assert not out.isnan().any()
-    assert out[0, 1] == torch.finfo(torch.float32).max and out[0, 3] == 1.0
+    assert out[0, 1] == LARGEST_LOGIT and out[0, 3] == 1.0
+    assert torch.isfinite(out[0, 1] / SAMPLING_EPS)
     assert out[0, 0] == -math.inf and out[0, 4:].eq(-math.inf).all()
     assert out.softmax(-1)[0].tolist() == [0.0, 1.0] + [0.0] * (VOCAB - 2)
 

@@ -24,8 +24,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenloop.sampling.params import SamplingParams
+from tokenloop.sampling.params import SAMPLING_EPS, SamplingParams
 from tokenloop.sampling.structured import GrammarCompiler, GrammarMatcher, apply_grammar_masks
+
+# The largest logit a penalty leaves: half of what the smallest sampling temperature divides into float32's largest
+# number, so the scaled logits stay finite.
+LARGEST_LOGIT = torch.finfo(torch.float32).max * SAMPLING_EPS / 2
 
 
 @dataclass(slots=True)
@@ -166,15 +170,16 @@ def _penalties(out: torch.Tensor, b: ProcessorRows) -> None:
             counts[j, ids] = torch.tensor(list(history.output_counts.values()), dtype=torch.float32, device=device)
     index = torch.tensor(penalized, device=device)
     sub = out[index]
-    # A penalty too small for float32 would be 0 (a masked -inf times 0 is NaN), and dividing by one near it can
-    # pass float32's largest logit (+inf makes the row's softmax NaN): both stay at float32's bounds instead.
+    # A penalty outside float32's range would be 0 or inf there (a masked -inf times 0, or a 0 times inf, is NaN):
+    # it stays within float32's. Dividing by one near 0 can pass float32's largest number, here or at the
+    # temperature's division after (+inf makes the row's softmax NaN): a logit stays at LARGEST_LOGIT.
     floats = torch.finfo(sub.dtype)
     repetition = torch.tensor([params[i].repetition_penalty for i in penalized], device=device).unsqueeze(1)
-    repetition.clamp_(min=floats.tiny)
+    repetition.clamp_(min=floats.tiny, max=floats.max)
     seen = counts > 0
     for j, i in enumerate(penalized):
         seen[j, b.controls[i].history.prompt_ids.to(device)] = True
-    divided = (sub / repetition).clamp_(max=floats.max)
+    divided = (sub / repetition).clamp_(max=LARGEST_LOGIT)
     sub = torch.where(seen, torch.where(sub > 0, divided, sub * repetition), sub)
     presence = torch.tensor([params[i].presence_penalty for i in penalized], device=device).unsqueeze(1)
     frequency = torch.tensor([params[i].frequency_penalty for i in penalized], device=device).unsqueeze(1)
