@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import zipfile
 
 import pytest
 import torch
@@ -119,6 +120,13 @@ def assert_verify_step_runs_the_package_to_decode_logits(runner: ModelRunner, pa
     assert torch.equal(logits[:4], torch.stack(expected)) and torch.equal(logits[4], expected[0])
 
 
+def package_wrapper_source(path) -> str:
+    """The C++ of a package's decode step (the .pt2 is a zip that keeps it)."""
+    with zipfile.ZipFile(path) as package:
+        (name,) = [n for n in package.namelist() if n.endswith("wrapper.cpp")]
+        return package.read(name).decode()
+
+
 class CountingPackage:
     """The loaded package, counting its calls."""
 
@@ -154,6 +162,10 @@ def test_compiled_decode_gives_the_eager_greedy_tokens_from_one_package(tiny_q4_
     assert isinstance(model.lm_head, Int8Embedding) == tied
     assert model.lm_head.cpu_kernel == kernels_run if tied else True
     assert all(attn.cpu_kernel == kernels_run for attn in model.attention_layers())
+    if kernels_run:  # the package calls the kernels' C functions, never through the proxy executor
+        wrapper = package_wrapper_source(compiled.forward.path)
+        assert "aoti_torch_cpu_q4_matmul(" in wrapper and "aoti_torch_cpu_paged_attention(" in wrapper
+        assert "proxy_executor_call_function(" not in wrapper
 
     # One sequence and batches, prompt lengths, a longer context: every decode step runs the package.
     package = compiled.forward.compiled = CountingPackage(compiled.forward.compiled)

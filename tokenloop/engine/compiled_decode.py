@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tokenloop import kernels
 from tokenloop.models.attention import AttentionMetadata
 from tokenloop.models.store import tokenloop_home
 
@@ -188,6 +189,8 @@ def _build(model: nn.Module, caches: list[torch.Tensor], block_size: int, target
         "cpp.threads": os.cpu_count() or 1,
         "cpp.dynamic_threads": True,
     }
+    if kernels.cpu_kernels_available():
+        configs["aot_inductor.custom_ops_to_c_shims"] = kernels.aoti_c_shims()
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = os.path.join(tmp, target.name)
         aoti_compile_and_package(program, package_path=built, inductor_configs=configs)

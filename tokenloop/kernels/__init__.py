@@ -18,7 +18,8 @@
   PyTorch makes about nine).
 
 Every op has a fake implementation (its output's shape), so the compiled decode step calls these same kernels:
-eager and compiled steps run one program and give the same floats.
+eager and compiled steps run one program and give the same floats. The step calls them through C functions
+(`aoti_shims.h`), not the dispatcher.
 
 The library is built with the C++ compiler inductor uses too, against the installed torch's headers, once
 per source/torch version, each source by a compiler process of its own (about 30 s on 2 cores). Where it cannot
@@ -28,11 +29,13 @@ be built or run (no compiler, no AVX2, not x86), it warns once and the model run
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -81,7 +84,10 @@ def cpu_kernels_available() -> bool:
     why = _unsupported_reason()
     if why is None:
         try:
-            torch.ops.load_library(str(_built_library()))
+            library = str(_built_library())
+            torch.ops.load_library(library)
+            # Its symbols global too (torch loads it RTLD_LOCAL): the compiled decode step calls the C shims.
+            ctypes.CDLL(library, mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
             _register_fake_kernels()
             _register_autograd()
             return True
@@ -93,6 +99,17 @@ def cpu_kernels_available() -> bool:
         stacklevel=2,
     )
     return False
+
+
+def aoti_c_shims() -> dict[torch._ops.OpOverload, list[str]]:
+    """The ops' C functions for AOTInductor (its aot_inductor.custom_ops_to_c_shims): aoti_shims.h declares one a
+    line, aoti_torch_cpu_<op>, and the package then calls them without the dispatcher."""
+    shims = {}
+    for line in (Path(__file__).parent / "aoti_shims.h").read_text().splitlines():
+        match = re.match(r"AOTITorchError aoti_torch_cpu_(\w+)\(.*\);$", line)
+        if match:
+            shims[getattr(torch.ops.tokenloop, match[1]).default] = [line.removesuffix(";")]
+    return shims
 
 
 def bfloat16_cache_supported() -> bool:

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "aoti_shims.h"
 #include "parallel.h"
 
 namespace {
@@ -140,3 +141,7 @@ at::Tensor f32_matmul(const at::Tensor& x, const at::Tensor& weight) {
 TORCH_LIBRARY_FRAGMENT(tokenloop, m) { m.def("f32_matmul(Tensor x, Tensor weight) -> Tensor"); }
 
 TORCH_LIBRARY_IMPL(tokenloop, CPU, m) { m.impl("f32_matmul", &f32_matmul); }
+
+AOTITorchError aoti_torch_cpu_f32_matmul(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE(*ret0 = aoti_shim::output(f32_matmul(aoti_shim::tensor(x), aoti_shim::tensor(weight)));)
+}

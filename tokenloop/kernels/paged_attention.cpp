@@ -34,6 +34,7 @@
 #include <limits>
 #include <vector>
 
+#include "aoti_shims.h"
 #include "kv_cache.h"
 #include "parallel.h"
 
@@ -610,3 +611,7 @@ TORCH_LIBRARY_FRAGMENT(tokenloop, m) {
 }
 
 TORCH_LIBRARY_IMPL(tokenloop, CPU, m) { m.impl("paged_attention", &paged_attention); }
+
+AOTITorchError aoti_torch_cpu_paged_attention(AtenTensorHandle q, AtenTensorHandle k_cache, AtenTensorHandle v_cache, AtenTensorHandle block_tables, int64_t block_size, AtenTensorHandle query_start, AtenTensorHandle query_count, AtenTensorHandle first_position, int64_t window, double scale, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE(*ret0 = aoti_shim::output(paged_attention(aoti_shim::tensor(q), aoti_shim::tensor(k_cache), aoti_shim::tensor(v_cache), aoti_shim::tensor(block_tables), block_size, aoti_shim::tensor(query_start), aoti_shim::tensor(query_count), aoti_shim::tensor(first_position), window, scale));)
+}

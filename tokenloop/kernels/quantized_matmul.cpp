@@ -28,6 +28,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "aoti_shims.h"
 #include "parallel.h"
 
 #include <algorithm>
@@ -757,4 +758,31 @@ TORCH_LIBRARY_IMPL(tokenloop, CPU, m) {
   m.impl("q8_gated_matmul", &q8_gated_matmul);
   m.impl("q5_matmul", &q5_matmul);
   m.impl("q5_gated_matmul", &q5_gated_matmul);
+}
+
+using aoti_shim::optional;
+using aoti_shim::tensor;
+
+AOTITorchError aoti_torch_cpu_q4_matmul(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle scale, AtenTensorHandle offset, AtenTensorHandle* scale_per_256, AtenTensorHandle* offset_per_256, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE(*ret0 = aoti_shim::output(q4_matmul(tensor(x), tensor(weight), tensor(scale), tensor(offset), optional(scale_per_256), optional(offset_per_256)));)
+}
+
+AOTITorchError aoti_torch_cpu_q8_matmul(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle scale, AtenTensorHandle* scale_per_256, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE(*ret0 = aoti_shim::output(q8_matmul(tensor(x), tensor(weight), tensor(scale), optional(scale_per_256)));)
+}
+
+AOTITorchError aoti_torch_cpu_q5_matmul(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle scale, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE(*ret0 = aoti_shim::output(q5_matmul(tensor(x), tensor(weight), tensor(scale)));)
+}
+
+AOTITorchError aoti_torch_cpu_q4_gated_matmul(AtenTensorHandle gate_up, AtenTensorHandle weight, AtenTensorHandle scale, AtenTensorHandle offset, const char* activation, AtenTensorHandle* scale_per_256, AtenTensorHandle* offset_per_256, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE(*ret0 = aoti_shim::output(q4_gated_matmul(tensor(gate_up), tensor(weight), tensor(scale), tensor(offset), activation, optional(scale_per_256), optional(offset_per_256)));)
+}
+
+AOTITorchError aoti_torch_cpu_q8_gated_matmul(AtenTensorHandle gate_up, AtenTensorHandle weight, AtenTensorHandle scale, const char* activation, AtenTensorHandle* scale_per_256, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE(*ret0 = aoti_shim::output(q8_gated_matmul(tensor(gate_up), tensor(weight), tensor(scale), activation, optional(scale_per_256)));)
+}
+
+AOTITorchError aoti_torch_cpu_q5_gated_matmul(AtenTensorHandle gate_up, AtenTensorHandle weight, AtenTensorHandle scale, const char* activation, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE(*ret0 = aoti_shim::output(q5_gated_matmul(tensor(gate_up), tensor(weight), tensor(scale), activation));)
 }

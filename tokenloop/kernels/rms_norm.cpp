@@ -8,6 +8,7 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include "aoti_shims.h"
 #include "rms_norm.h"
 
 namespace {
@@ -32,3 +33,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 TORCH_LIBRARY_FRAGMENT(tokenloop, m) { m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor"); }
 
 TORCH_LIBRARY_IMPL(tokenloop, CPU, m) { m.impl("rms_norm", &rms_norm); }
+
+AOTITorchError aoti_torch_cpu_rms_norm(AtenTensorHandle x, AtenTensorHandle weight, double eps, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE(*ret0 = aoti_shim::output(rms_norm(aoti_shim::tensor(x), aoti_shim::tensor(weight), eps));)
+}

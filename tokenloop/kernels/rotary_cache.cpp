@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "aoti_shims.h"
 #include "kv_cache.h"
 #include "rms_norm.h"
 
@@ -105,3 +106,7 @@ TORCH_LIBRARY_FRAGMENT(tokenloop, m) {
 }
 
 TORCH_LIBRARY_IMPL(tokenloop, CPU, m) { m.impl("rotary_cache_write", &rotary_cache_write); }
+
+AOTITorchError aoti_torch_cpu_rotary_cache_write(AtenTensorHandle qkv, AtenTensorHandle cos, AtenTensorHandle sin, AtenTensorHandle k_cache, AtenTensorHandle v_cache, AtenTensorHandle slot_mapping, int64_t block_size, int64_t q_heads, AtenTensorHandle* q_norm, AtenTensorHandle* k_norm, double eps, AtenTensorHandle* no_output) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE(rotary_cache_write(aoti_shim::tensor(qkv), aoti_shim::tensor(cos), aoti_shim::tensor(sin), aoti_shim::tensor(k_cache), aoti_shim::tensor(v_cache), aoti_shim::tensor(slot_mapping), block_size, q_heads, aoti_shim::optional(q_norm), aoti_shim::optional(k_norm), eps);)
+}
