@@ -50,6 +50,19 @@ def test_the_k_most_likely_in_the_stable_descending_order_with_the_distributions
     torch.testing.assert_close(probs, dense.gather(1, expected), rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("k", [1, 33, 2049])
+def test_values_whose_quotients_round_alike_or_overflow_keep_the_stable_order(k):
+    """The scan rules values out by x before dividing: adjacent floats whose x / t round to one float (t = 0.9) tie
+    and go by index, and values whose quotient overflows to inf (t = 0.05) tie at inf."""
+    gen = torch.Generator().manual_seed(1)
+    adjacent = (torch.tensor(1.9).view(torch.int32) + torch.arange(3001, dtype=torch.int32)).view(torch.float32)
+    huge = (torch.tensor(3e38).view(torch.int32) - torch.arange(3001, dtype=torch.int32)).view(torch.float32)
+    x = torch.stack([adjacent[torch.randperm(3001, generator=gen)], huge[torch.randperm(3001, generator=gen)]])
+    t = torch.tensor([0.9, 0.05])
+    _, index = candidates(x, t, torch.arange(2), k)
+    assert torch.equal(index, (x / t.unsqueeze(1)).argsort(dim=-1, descending=True, stable=True)[:, :k])
+
+
 def test_the_softmax_is_pytorchs_within_float_error_and_a_row_without_one_is_nan():
     x, t = rows(), TEMPERATURE
     dense = ops.scaled_softmax(x, t, *ops.softmax_normalizers(x, t), torch.arange(len(x)))
