@@ -32,7 +32,6 @@ def test_every_op_of_a_models_step_has_a_c_function_with_its_schemas_parameters(
         parameters = declaration.split("(", 1)[1].rstrip(")").split(", ")
         expected = [f"{c_type(arg)} {arg.name}" for arg in op._schema.arguments]
         assert parameters[: len(expected)] == expected, name
-        outputs = parameters[len(expected) :]
-        assert len(outputs) == max(1, len(op._schema.returns)) and all(
-            p.startswith("AtenTensorHandle* ") for p in outputs
-        )
+        returns = len(op._schema.returns)
+        outputs = [f"AtenTensorHandle* ret{i}" for i in range(returns)] or ["AtenTensorHandle* no_output"]
+        assert parameters[len(expected) :] == outputs, name

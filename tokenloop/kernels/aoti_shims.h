@@ -2,8 +2,8 @@
 // no C function for through its proxy executor: the arguments boxed into a stack, the op looked up by name, the
 // dispatcher, the outputs unboxed; a few microseconds each, and a SmolLM2 decode step makes about 200 such calls.
 // With a C function (AOTInductor's C shim convention: tensors as handles, an optional tensor as a pointer to one or
-// null, strings as C strings, each output through a pointer,
-// and an op without one given a null pointer for it) the package calls the kernel directly.
+// null, strings as C strings, each output through a pointer, retN, and an op without one given a null pointer,
+// no_output) the package calls the kernel directly.
 //
 // These declarations are the one list of them: the sources define each beside its op (the compiler checks them
 // against these), and kernels/__init__.py reads them from here for inductor (aot_inductor.custom_ops_to_c_shims),
@@ -20,7 +20,7 @@ AOTITorchError aoti_torch_cpu_q4_gated_matmul(AtenTensorHandle gate_up, AtenTens
 AOTITorchError aoti_torch_cpu_q8_gated_matmul(AtenTensorHandle gate_up, AtenTensorHandle weight, AtenTensorHandle scale, const char* activation, AtenTensorHandle* scale_per_256, AtenTensorHandle* ret0);
 AOTITorchError aoti_torch_cpu_q5_gated_matmul(AtenTensorHandle gate_up, AtenTensorHandle weight, AtenTensorHandle scale, const char* activation, AtenTensorHandle* ret0);
 AOTITorchError aoti_torch_cpu_f32_matmul(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle* ret0);
-AOTITorchError aoti_torch_cpu_rms_norm(AtenTensorHandle x, AtenTensorHandle weight, double eps, AtenTensorHandle* no_output);
+AOTITorchError aoti_torch_cpu_rms_norm(AtenTensorHandle x, AtenTensorHandle weight, double eps, AtenTensorHandle* ret0);
 AOTITorchError aoti_torch_cpu_rotary_cache_write(AtenTensorHandle qkv, AtenTensorHandle cos, AtenTensorHandle sin, AtenTensorHandle k_cache, AtenTensorHandle v_cache, AtenTensorHandle slot_mapping, int64_t block_size, int64_t q_heads, AtenTensorHandle* q_norm, AtenTensorHandle* k_norm, double eps, AtenTensorHandle* no_output);
 AOTITorchError aoti_torch_cpu_paged_attention(AtenTensorHandle q, AtenTensorHandle k_cache, AtenTensorHandle v_cache, AtenTensorHandle block_tables, int64_t block_size, AtenTensorHandle query_start, AtenTensorHandle query_count, AtenTensorHandle first_position, int64_t window, double scale, AtenTensorHandle* ret0);
 }

@@ -70,7 +70,7 @@ inline float bar_on_x(float bar, float t) {
 // The k most likely of one row: the ids of its k largest s = x / t in the stable descending order, into index.
 // Values that may belong go into a buffer; when it holds 2k, the k first in the order stay (nth_element) and the
 // k-th of them becomes the bar to enter. A heap of the k kept did the same with a logarithmic step per entry, and
-// entries are many at the wider selections (2,048 of 262k logits: 1 ms a row, against about 0.1).
+// entries are many at the wider selections (the 2,048 most likely of 3 rows of 262k logits: 2.9 ms, here 1.2).
 void row_top(const float* x, int64_t vocab, float t, int64_t k, int64_t* index) {
   thread_local std::vector<uint64_t> kept;
   kept.clear();
