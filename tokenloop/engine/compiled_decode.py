@@ -119,13 +119,12 @@ def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def package_key(model: nn.Module, caches: list[torch.Tensor], block_size: int) -> str:
     """What the compiled code depends on: the model's structure and config, every tensor's dtype and shape,
-    which kernels it calls, the caches' dtype and device and block size, the CPU count (inductor decides its
-    loops' split by it), and the sources of torch and of tokenloop's model code."""
+    which kernels it calls, the caches' dtype and device and block size, and the sources of torch and of
+    tokenloop's model code."""
     parts = [
         str(model),
         repr(getattr(model, "config", None)),
         torch.__version__,
-        str(os.cpu_count()),
         f"block_size={block_size}",
     ]
     parts += [f"{name}:{t.dtype}:{tuple(t.shape)}:{t.device.type}" for name, t in named_tensors(model).items()]
@@ -184,10 +183,11 @@ def _build(model: nn.Module, caches: list[torch.Tensor], block_size: int, target
         )
     configs = {
         "aot_inductor.package_constants_in_so": False,  # at load the package is given the model's own tensors
-        # Loops are split for the machine's cores, and the code asks OpenMP for its thread count when it runs:
-        # a package serves any OMP_NUM_THREADS (the background build runs with one thread).
-        "cpp.threads": os.cpu_count() or 1,
-        "cpp.dynamic_threads": True,
+        # The package's own loops run on one thread, with no OpenMP region: they are a step's few small
+        # elementwise ones (residual adds, a row's gather), where starting and joining a region costs more than
+        # the loop, and there are two of them per layer. The products and attention split across the cores in
+        # tokenloop's kernels. A package so built serves any thread count.
+        "cpp.threads": 1,
     }
     if kernels.cpu_kernels_available():
         configs["aot_inductor.custom_ops_to_c_shims"] = kernels.aoti_c_shims()
