@@ -232,8 +232,8 @@ def test_sampler_leaves_the_logits_untouched(device):
 
 @pytest.mark.parametrize("vocab", [500, 8 * 1024, 49152, 262144, 262144 + 77])
 def test_argmax_is_torchs_first_index_of_the_maximum(vocab):
-    """The two-pass argmax gives torch's index: the first of equal maxima wherever they fall (within a block,
-    across blocks, in the tail past the last whole block), the first NaN, and 0 for a row of -inf."""
+    """The vectorised argmax gives torch's index: the first of equal maxima wherever they fall (within a vector,
+    across vectors, in the tail past the last whole vector), the first NaN, and 0 for a row of -inf."""
     gen = torch.Generator().manual_seed(vocab)
     x = torch.randn(9, vocab, generator=gen)
     x[1, [vocab // 3, vocab // 2, vocab - 1]] = 10.0  # equal maxima in different blocks: the first
@@ -246,6 +246,7 @@ def test_argmax_is_torchs_first_index_of_the_maximum(vocab):
     x[8, -5] = float("nan")
     assert torch.equal(argmax(x), x.argmax(dim=-1))
     assert torch.equal(argmax(x[4:5]), x[4:5].argmax(dim=-1))
+    assert torch.equal(argmax(x[:, 1:]), x[:, 1:].argmax(dim=-1))  # not contiguous
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.9])

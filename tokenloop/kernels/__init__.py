@@ -13,7 +13,7 @@
 - `top_candidates.cpp` is the sampler's softmax at each row's temperature: its normalisers in two passes that
   write nothing, then whole rows, or a row's k most likely tokens in a stable sort's order with their
   probabilities, for top-k and top-p sampling (torch.topk orders ties arbitrarily; dividing, normalising and
-  selecting were each a pass over every row).
+  selecting were each a pass over every row); and the greedy argmax, vectorised (torch's compares a value at a time).
 - `rotary_cache.cpp` rotates queries and keys and writes keys and values into the cache in one pass (eager
   PyTorch makes about nine).
 
