@@ -242,11 +242,13 @@ def test_prefix_caching_off_changes_no_token_or_logprob(make_llm, case, alone):
 
 
 def test_prefix_cache_hits_warm_change_no_token_or_logprob(make_llm, case, alone):
-    """The batch fills the cache (the later requests of a step may hit the earlier ones' shared prefix), then each
-    request again, its whole prompt but the last token from the cache."""
+    """The batch fills the cache (each prompt comes twice, and four share a prefix: the later requests of one wait
+    a step and take its blocks from the cache), then each request again, its whole prompt but the last token from
+    the cache."""
     llm = make_llm(case.path, **case.engine_args)
     assert_same(run(llm, REQUESTS), alone)
     cold_hits = llm.llm_engine.block_manager.prefix_hit_tokens
+    assert cold_hits > 0
     assert_same([run(llm, [r])[0] for r in REQUESTS], alone)
     assert llm.llm_engine.block_manager.prefix_hit_tokens > cold_hits
 

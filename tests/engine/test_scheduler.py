@@ -40,6 +40,33 @@ def test_max_num_seqs_keeps_the_rest_waiting():
     assert sched.schedule().seqs == [a] and list(sched.waiting) == [b]
 
 
+def test_requests_of_one_prompt_arriving_together_wait_a_step_and_take_its_blocks_from_the_cache():
+    """b and c have a's prompt: the first step computes it once, for a; they wait (in their order, holding nothing)
+    while d, another prompt, joins; the next step they take a's two full blocks from the cache and compute only
+    the rest. Without the prefix cache nothing waits."""
+    manager = BlockManager(16, 4)
+    sched = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=64)
+    a, b, c = seq("a", 10), seq("b", 10), seq("c", 10)
+    d = Sequence("d", list(range(200, 210)), 10, SamplingParams())
+    for s in (a, b, d, c):
+        sched.add(s)
+    batch = sched.schedule()
+    assert [(s.seq_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == [("a", 10), ("d", 10)]
+    assert list(sched.waiting) == [b, c] and b.block_table == [] and c.num_computed_tokens == 0
+    complete(batch)
+    for s in batch.seqs:
+        manager.cache_full_blocks(s)
+    batch = sched.schedule()
+    assert [(s.seq_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == [("a", 1), ("d", 1), ("b", 2), ("c", 2)]
+    assert b.block_table[:2] == c.block_table[:2] == a.block_table[:2]
+
+    sched = Scheduler(BlockManager(16, 4, enable_prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=64)
+    a, b = seq("a", 10), seq("b", 10)
+    sched.add(a)
+    sched.add(b)
+    assert sched.schedule().seqs == [a, b]
+
+
 def test_the_newest_running_sequence_is_preempted_when_blocks_run_out():
     manager = BlockManager(3, 4, enable_prefix_caching=False)
     sched = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=64)

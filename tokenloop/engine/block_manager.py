@@ -292,6 +292,20 @@ class BlockManager:
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
+    def blocks_written(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """The chain hashes of the full blocks that `seq`'s next `num_tokens` tokens write into (from its computed
+        ones on): the blocks that, once computed, another sequence of the same tokens can take from the prefix
+        cache. Empty without the cache (or where its chain was not kept)."""
+        size, start = self.block_size, seq.num_computed_tokens
+        first, end = start // size, min(-(-(start + num_tokens) // size), len(seq.token_ids) // size)
+        if not self.enable_prefix_caching or len(seq.block_hashes) < first:
+            return []
+        extra, parent, hashes = self.extra_key(seq), seq.block_hashes[first - 1] if first else ROOT_HASH, []
+        for i in range(first, end):
+            parent = self.block_hash(parent, tuple(seq.token_ids[i * size : (i + 1) * size]), extra)
+            hashes.append(parent)
+        return hashes
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks of `seq` that became full of computed tokens under their chain hashes, in every
         group; then a sliding group gives back its blocks wholly before the window of the sequence's next query

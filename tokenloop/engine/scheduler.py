@@ -1,9 +1,12 @@
 """Scheduler: picks which sequences run in the next step and how many of their tokens, within a token budget.
 
 Running sequences are served first (a decode needs one token; a chunked prefill continues), then waiting
-ones join first-come first-served while the budget, `max_num_seqs` and free KV blocks allow. When blocks
-run out, the newest running sequence is preempted: its blocks are freed and it is recomputed later, its
-generated tokens kept (the prefix cache often gives most of them back).
+ones join first-come first-served while the budget, `max_num_seqs` and free KV blocks allow. A waiting sequence
+whose next block another sequence of the step computes (requests of one prompt arriving together) waits a step,
+keeping its place, and then takes that block and the others computed with it from the prefix cache, instead of
+computing them again beside it (SGLang's in-batch prefix caching). When blocks run out, the newest running
+sequence is preempted: its blocks are freed and it is recomputed later, its generated tokens kept (the prefix
+cache often gives most of them back).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch([], [])
         budget = self.max_num_batched_tokens
+        computing: set[int] = set()  # the chain hashes of the full blocks the step's sequences write
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -64,23 +68,32 @@ class Scheduler:
             else:
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
+                computing.update(self.block_manager.blocks_written(seq, n))
                 budget -= n
                 i += 1
+        deferred = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting.popleft()
             if not seq.block_tables:
                 self.block_manager.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            written = self.block_manager.blocks_written(seq, n)
+            if written and written[0] in computing and not seq.score_prompt:
+                self._release(seq)  # next step its prefix is cached further on
+                deferred.append(seq)
+                continue
             if not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
                 # Wait holding nothing: cached blocks kept by a waiting request could starve the running ones.
                 self._release(seq)
+                self.waiting.appendleft(seq)
                 break  # retried next step, once running sequences have freed blocks
-            self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
+            computing.update(written)
             budget -= n
+        self.waiting.extendleft(reversed(deferred))
         if not batch and self.waiting:
             # Nothing runs: every running sequence is idle (a beam waiting for its siblings' rows) and holds the
             # blocks the waiting ones need, so nothing would ever change. They give them back, newest first, and
