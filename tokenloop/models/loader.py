@@ -116,7 +116,9 @@ def build_model(
         for module in {model.embed_tokens, model.lm_head}:
             if not isinstance(module, Int8Embedding):
                 module.to(torch.bfloat16)
-    model.to_empty(device=device)
+    # model.to_empty, but by factory functions: empty_like on a meta tensor runs a Python reference that imports
+    # sympy (32 MB resident for nothing).
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     advise_huge_pages(model.state_dict().values())  # before load_weights first writes them
     model.tie_weights()
     for module in model.modules():

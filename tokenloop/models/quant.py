@@ -175,7 +175,9 @@ class QuantizedModule(nn.Module):
         self.register_buffer(
             "scales", torch.zeros(row_groups, groups, self.sub_blocks * INTERLEAVED_ROWS, dtype=layout.scale_dtype)
         )
-        self.register_buffer("offsets", torch.zeros_like(self.scales) if self.has_offsets else None)
+        # Not zeros_like: on the meta device that runs a Python reference that imports sympy (32 MB resident).
+        offsets = torch.zeros(self.scales.shape, dtype=self.scales.dtype) if self.has_offsets else None
+        self.register_buffer("offsets", offsets)
         # Factored scales' float16s: [row group, super-block, row in group], the 8 rows' factor of each super-block
         per_256 = (
             torch.zeros(row_groups, cols // SUPER_BLOCK, INTERLEAVED_ROWS, dtype=torch.float16)
