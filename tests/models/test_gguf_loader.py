@@ -4,6 +4,8 @@ writes Gemma 3 files too (tests/models/test_gemma3.py)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -105,3 +107,17 @@ def test_k_quant_gguf_matches_transformers_on_the_same_file(wide_llama, tmp_path
     ours = our_logits(path)
     assert expected.abs().max() > 0.1  # the random blocks give a model that says something
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_loading_a_quantized_model_imports_no_sympy(wide_llama, tmp_path):
+    """The skeleton is built on the meta device; a *_like op there would run torch's Python references, which
+    import sympy: 32 MB resident for nothing. In a fresh process, on the quantized path (Q4_K: offsets and their
+    float16s per 256 weights)."""
+    path = write_gguf(wide_llama, "llama", tmp_path / "m.gguf", Q.Q4_K)
+    code = (
+        "import sys, torch; from tokenloop.models.loader import load_model; "
+        f"load_model({str(path)!r}, torch.float32, torch.device('cpu'), keep_quantized=True, load_tokenizer=False); "
+        "print('sympy' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

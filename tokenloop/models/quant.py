@@ -175,19 +175,18 @@ class QuantizedModule(nn.Module):
         self.register_buffer(
             "scales", torch.zeros(row_groups, groups, self.sub_blocks * INTERLEAVED_ROWS, dtype=layout.scale_dtype)
         )
-        # Not zeros_like: on the meta device that runs a Python reference that imports sympy (32 MB resident).
+        # Buffers by shape, not zeros_like: on the meta device that runs a Python reference that imports sympy
+        # (32 MB resident).
         offsets = torch.zeros(self.scales.shape, dtype=self.scales.dtype) if self.has_offsets else None
         self.register_buffer("offsets", offsets)
         # Factored scales' float16s: [row group, super-block, row in group], the 8 rows' factor of each super-block
-        per_256 = (
-            torch.zeros(row_groups, cols // SUPER_BLOCK, INTERLEAVED_ROWS, dtype=torch.float16)
-            if layout.factored
-            else None
-        )
+        per_256_shape = (row_groups, cols // SUPER_BLOCK, INTERLEAVED_ROWS)
+        per_256 = torch.zeros(per_256_shape, dtype=torch.float16) if layout.factored else None
         self.register_buffer("scales_per_256", per_256)
-        self.register_buffer(
-            "offsets_per_256", None if per_256 is None or not self.has_offsets else torch.zeros_like(per_256)
+        offsets_per_256 = (
+            torch.zeros(per_256_shape, dtype=torch.float16) if layout.factored and self.has_offsets else None
         )
+        self.register_buffer("offsets_per_256", offsets_per_256)
 
     @property
     def weight_shape(self) -> tuple[int, int]:
