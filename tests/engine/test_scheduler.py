@@ -59,6 +59,8 @@ def test_requests_of_one_prompt_arriving_together_wait_a_step_and_take_its_block
     batch = sched.schedule()
     assert [(s.seq_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == [("a", 1), ("d", 1), ("b", 2), ("c", 2)]
     assert b.block_table[:2] == c.block_table[:2] == a.block_table[:2]
+    # Each prompt's lookup counts once, as it is scheduled: 4 x 10 tokens looked up, b's and c's 8 found.
+    assert (manager.prefix_queried_tokens, manager.prefix_hit_tokens) == (40, 16)
 
     sched = Scheduler(BlockManager(16, 4, enable_prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=64)
     a, b = seq("a", 10), seq("b", 10)

@@ -240,8 +240,13 @@ class BlockManager:
                 table.append(block_id)
         seq.block_hashes = hashes[:count]
         seq.num_computed_tokens = seq.num_cached_tokens = count * size
-        self.prefix_queried_tokens += seq.num_tokens
-        self.prefix_hit_tokens += seq.num_cached_tokens
+
+    def count_prefix_lookup(self, seq: Sequence) -> None:
+        """Count a sequence's last prefix lookup in the hit rate, as it is scheduled: a sequence that waited a step
+        after a lookup (for blocks being computed, or for free blocks) looked again."""
+        if self.enable_prefix_caching and not seq.score_prompt:
+            self.prefix_queried_tokens += seq.num_tokens
+            self.prefix_hit_tokens += seq.num_cached_tokens
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Give `seq` slots for its first `num_tokens` tokens; False (and nothing taken) if blocks run out."""

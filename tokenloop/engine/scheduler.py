@@ -87,6 +87,7 @@ class Scheduler:
                 self._release(seq)
                 self.waiting.appendleft(seq)
                 break  # retried next step, once running sequences have freed blocks
+            self.block_manager.count_prefix_lookup(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
