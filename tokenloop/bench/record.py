@@ -1,8 +1,8 @@
 """`tokenloop bench ... --record`: keep a run's report with where and how it was measured.
 
 Each recorded run appends one JSON line to benchmarks/results/<kind>.jsonl of the source checkout (KINDS), then
-docs/benchmarks.md is written anew from every line, newest first, and the README's table (between its
-`bench:start` and `bench:end` markers) shows the newest offline and serve runs of the default model.
+docs/benchmarks.md is written anew from every line, newest first, and the README's one table (between its
+`bench:start` and `bench:end` markers) is the newest offline run of the default model.
 Figures in the docs come from here, never typed in by hand.
 """
 
@@ -132,7 +132,7 @@ def render(root: Path) -> None:
     readme = root / "README.md"
     text = readme.read_text()
     if START in text and END in text:
-        newest = [_entry(_newest(rows)) for rows in (load(root, "offline"), load(root, "serve")) if rows]
-        body = "\n".join(newest) or "No run recorded yet: `tokenloop bench --engines tokenloop,llama-bench --record`.\n"
+        rows = load(root, "offline")
+        body = _entry(_newest(rows)) if rows else "No run recorded yet: `tokenloop bench --record`.\n"
         head, rest = text.split(START, 1)
         readme.write_text(f"{head}{START}\n{body}{END}{rest.split(END, 1)[1]}")
