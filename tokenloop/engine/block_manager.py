@@ -77,14 +77,20 @@ class BlockHasher:
             hasher.update(extra)
         return int.from_bytes(hasher.digest(), "little")
 
+    def chain_hashes(
+        self, token_ids: list[int], first: int, end: int, parent_hash: int = ROOT_HASH, extra: bytes = b""
+    ) -> list[int]:
+        """The chain hashes of blocks [first, end) of token_ids, block `first`'s parent hash being `parent_hash`."""
+        hashes, size = [], self.block_size
+        for i in range(first, end):
+            parent_hash = self.block_hash(parent_hash, tuple(token_ids[i * size : (i + 1) * size]), extra)
+            hashes.append(parent_hash)
+        return hashes
+
     def prompt_hashes(self, token_ids: list[int], extra: bytes = b"") -> list[int]:
         """The chain hashes of a prompt's blocks that a cache hit can serve: its full blocks before its last token
         (whose logits are always computed)."""
-        hashes, parent, size = [], ROOT_HASH, self.block_size
-        for start in range(0, len(token_ids) - size, size):
-            parent = self.block_hash(parent, tuple(token_ids[start : start + size]), extra)
-            hashes.append(parent)
-        return hashes
+        return self.chain_hashes(token_ids, 0, (len(token_ids) - 1) // self.block_size, extra=extra)
 
 
 def block_identity(path: str | os.PathLike, dtype: str, kv_cache_dtype: object) -> str:
@@ -305,11 +311,8 @@ class BlockManager:
         first, end = start // size, min(-(-(start + num_tokens) // size), len(seq.token_ids) // size)
         if not self.enable_prefix_caching or len(seq.block_hashes) < first:
             return []
-        extra, parent, hashes = self.extra_key(seq), seq.block_hashes[first - 1] if first else ROOT_HASH, []
-        for i in range(first, end):
-            parent = self.block_hash(parent, tuple(seq.token_ids[i * size : (i + 1) * size]), extra)
-            hashes.append(parent)
-        return hashes
+        parent = seq.block_hashes[first - 1] if first else ROOT_HASH
+        return self.hasher.chain_hashes(seq.token_ids, first, end, parent, self.extra_key(seq))
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks of `seq` that became full of computed tokens under their chain hashes, in every
@@ -319,9 +322,8 @@ class BlockManager:
         if self.enable_prefix_caching:
             extra, start = self.extra_key(seq), len(seq.block_hashes)
             tokens = [tuple(seq.token_ids[i * size : (i + 1) * size]) for i in range(start, full)]
-            for i, block_tokens in enumerate(tokens, start):
-                parent = seq.block_hashes[i - 1] if i else ROOT_HASH
-                seq.block_hashes.append(self.block_hash(parent, block_tokens, extra))
+            parent = seq.block_hashes[-1] if start else ROOT_HASH
+            seq.block_hashes += self.hasher.chain_hashes(seq.token_ids, start, full, parent, extra)
             for group, table in enumerate(seq.block_tables):
                 for i, block_tokens in enumerate(tokens, start):
                     block = self.blocks[table[i]] if table[i] != NULL_BLOCK else None
