@@ -52,7 +52,6 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch([], [])
         budget = self.max_num_batched_tokens
-        computing: set[int] = set()  # the chain hashes of the full blocks the step's sequences write
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -68,9 +67,14 @@ class Scheduler:
             else:
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
-                computing.update(self.block_manager.blocks_written(seq, n))
                 budget -= n
                 i += 1
+        # The chain hashes of the full blocks the step's sequences write: only a waiting sequence asks.
+        computing = (
+            {h for seq, n in zip(batch.seqs, batch.num_new_tokens) for h in self.block_manager.blocks_written(seq, n)}
+            if self.waiting
+            else set()
+        )
         deferred = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
