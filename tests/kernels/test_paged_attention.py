@@ -105,8 +105,19 @@ def test_each_query_attends_to_its_causal_window_of_the_paged_cache(cache_dtype,
     error = (out.double() - expected).abs().mean() / expected.abs().mean()
     if cache_dtype == torch.bfloat16:  # bfloat16 products: 8 bits of mantissa on q, k, p and v
         assert error < 0.01
-    elif cache_dtype == torch.int8:  # int16 queries and probabilities (the reference reads the dequantized cache)
-        assert error < 2e-4
+    elif cache_dtype == torch.int8:  # int8 queries (as bfloat16's products), int16 probabilities
+        assert error < 0.01
+        # The queries as the kernel rounds them (a scale per row, max |q| / 127), against the dequantized cache:
+        # what remains is the probabilities' int16 rounding.
+        top = q.abs().amax(-1, keepdim=True)
+        rounded = (q * (127 / top)).round() * (top / 127)
+        expected = torch.cat(
+            [
+                reference(rounded[r : r + c], cache, s, f, window, scale)
+                for (s, f, c), r in zip(entries, [0, 70, 71, 111])
+            ]
+        )
+        assert (out.double() - expected).abs().mean() / expected.abs().mean() < 2e-4
     else:
         torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
 
@@ -141,6 +152,33 @@ def test_a_query_row_gets_the_same_floats_however_its_sequence_is_split_and_what
         assert torch.equal(attend(q, cache, [(0, 0, 300)], window), whole)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("window", [0, 700])
+def test_a_long_context_gives_a_row_the_same_floats_in_one_work_item_or_one_a_partition(cache_dtype, window):
+    """Past 512 keys a row's context is attended in partitions of 512 keys, folded in order: many rows (a prompt)
+    take one work item for all of a row's partitions, a few (a decode) one item a partition, so that the threads
+    share a long context. Either way, the same floats; and still the reference's attention."""
+    skip_unless_supported(cache_dtype, 64)
+    gen = torch.Generator().manual_seed(11)
+    n = 1300
+    cache = Cache(gen, 3, 64, cache_dtype, 16, [n])
+    q = torch.randn(n, 9, 64, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # a row alone is split among threads only where there are several
+        whole = attend(q, cache, [(0, 0, n)], window)
+        for pos in (n - 1, 1100, 1024, 1023, 600, 512, 511, 40):
+            assert torch.equal(attend(q[pos : pos + 1], cache, [(0, pos, 1)], window), whole[pos : pos + 1]), pos
+        torch.set_num_threads(1)
+        assert torch.equal(attend(q[n - 1 :], cache, [(0, n - 1, 1)], window), whole[n - 1 :])
+    finally:
+        torch.set_num_threads(threads)
+    rows = [0, 511, 512, 1100, n - 1]
+    expected = torch.cat([reference(q[p : p + 1], cache, 0, p, window, 0.125) for p in rows])
+    error = (whole[rows].double() - expected).abs().mean() / expected.abs().mean()
+    assert error < (0.01 if cache_dtype in (torch.bfloat16, torch.int8) else 1e-5)
 
 
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)

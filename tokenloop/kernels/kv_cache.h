@@ -2,10 +2,10 @@
 // contiguous, bfloat16 (the fast path where the CPU has AVX512-BF16), float16, float32 or int8. Slot s is position
 // s % block_size of cache block s / block_size, and each block's block_size * width elements (per KV head) are
 // laid out for attention's products, so that attention reads them where they are:
-// - keys dimension-major, [head_dim / E][block_size][E]: one load gives a dimension (pair) of consecutive keys;
+// - keys dimension-major, [head_dim / K][block_size][K]: one load gives K dimensions of consecutive keys;
 // - values key-major, [block_size / E][head_dim][E];
 // E = 2 for bfloat16 and int8 (the pairs vdpbf16ps and vpdpwssd multiply), 1 otherwise (values are then plain
-// rows). An int8 block's keys and values (each token's head: q_i * scale) are followed by its block_size float16
+// rows); K = E, but 4 for int8 keys (the quadruples vpdpbusd multiplies). An int8 block's keys and values (each token's head: q_i * scale) are followed by its block_size float16
 // scales, so that its rows are head_dim + 2 bytes and the scales move with the block. Whole blocks move as they
 // are; models/kv_layout.py is the same layout in PyTorch.
 #pragma once
@@ -21,6 +21,8 @@
 
 template <typename T>
 constexpr int64_t kPairWidth = std::is_same_v<T, at::BFloat16> || std::is_same_v<T, int8_t> ? 2 : 1;
+template <typename T>
+constexpr int64_t kKeyWidth = std::is_same_v<T, int8_t> ? 4 : kPairWidth<T>;
 
 inline void check_kv_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t block_size) {
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
@@ -60,7 +62,7 @@ inline at::Half quantize_int8(const float* x, int64_t d, Out&& out) {
 // Offsets, within a block, of dimension i of the key and of the value at in-block position j.
 template <typename T>
 inline int64_t key_offset(int64_t j, int64_t i, int64_t block_size) {
-  constexpr int64_t e = kPairWidth<T>;
+  constexpr int64_t e = kKeyWidth<T>;
   return (i / e * block_size + j) * e + i % e;
 }
 

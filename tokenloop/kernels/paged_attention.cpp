@@ -4,30 +4,30 @@
 // its prompt was chunked, or how many threads run. So a token gets the same floats prefilled in a chunk of 1,000 as
 // decoded alone, and a request the same tokens whatever else is in the batch.
 //
-// The order, per query row: its context in blocks of 32 keys aligned to absolute positions (keys 0..31, 32..63,
-// ...), in increasing order; per block, the scores (a fixed sum over the head's dimensions), then flash
-// attention's online softmax (a running maximum and sum, the output rescaled when the maximum grows), then the
-// probabilities times the values (a fixed sum over the block's keys); at the end, the output divided by the sum.
-// A block that the row may not see at all (past its position, or before its sliding window) changes nothing:
-// its probabilities are exact zeros and its rescale factor exactly 1. Work items (entry, KV head, block of query
-// positions) may therefore start at any block and cover any rows.
+// The order, per query row: its context in partitions of 512 keys aligned to absolute positions (keys 0..511,
+// 512..1023, ...), each in blocks of 32 keys (0..31, 32..63, ...), in increasing order; per block, the scores (a
+// fixed sum over the head's dimensions), then flash attention's online softmax (a running maximum and sum, the
+// output rescaled when the maximum grows), then the probabilities times the values (a fixed sum over the block's
+// keys); then the partitions' outputs, maxima and sums folded in increasing order (flash decoding's reduction), and
+// the output divided by the sum. A block that the row may not see at all (past its position, or before its sliding
+// window) changes nothing: its probabilities are exact zeros and its rescale factor exactly 1; a partition it
+// cannot see is not folded. Work items (entry, KV head, block of query positions, and one or all partitions) may
+// therefore start at any block and cover any rows, and a few long rows (decodes) split among the threads.
 //
 // The products: on a bfloat16 cache (CPUs with AVX512-BF16), AVX512-BF16's vdpbf16ps on queries and probabilities
 // rounded to bfloat16 and the cache's keys and values (32 multiply-adds an instruction), sums in float32; on a
-// float16 or float32 cache, float32 FMAs (the exact float32 path); on an int8 cache, exact integer sums of int16
-// queries and probabilities times the int8 keys and values (Int8Products). Each reads keys and values where they
+// float16 or float32 cache, float32 FMAs (the exact float32 path); on an int8 cache, exact integer sums of int8
+// queries and int16 probabilities times the int8 keys and values (Int8Products). Each reads keys and values where they
 // are in the cache, whose blocks are laid out for these products (kv_cache.h): nothing is copied or converted per
 // step but the queries.
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -43,6 +43,11 @@ namespace {
 constexpr int64_t kKeys = 32;       // keys per block, aligned to absolute positions
 constexpr int64_t kGroup = 16;      // consecutive keys per group: a block's keys are two groups
 constexpr int64_t kQueryRows = 64;  // query rows (positions x query heads of a KV head) per work item
+// Keys per partition of a row's context, aligned to absolute positions: each partition's attention is computed on its
+// own and the partitions folded in order (flash decoding), so that a few long rows split among the threads.
+constexpr int64_t kPartitionKeys = 512;
+constexpr int64_t kAhead = 2;  // blocks a row's products prefetch ahead
+constexpr int64_t kItemsPerThread = 4;  // fewer items of whole rows than this a thread: an item per partition
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // The largest of v's 8 lanes.
@@ -51,6 +56,11 @@ inline float max_of(__m256 v) {
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
 }
+
+// exp's constants (ATen's exp_u20): ln(FLT_MIN), ln(FLT_MAX), log2(e), ln(2) by their bits; 1/k! for the polynomial.
+constexpr float kLnFltMin = std::bit_cast<float>(0xc2aeac50u), kLnFltMax = std::bit_cast<float>(0x42b17218u);
+constexpr float kLog2e = std::bit_cast<float>(0x3fb8aa3bu), kLn2 = std::bit_cast<float>(0x3f317218u);
+constexpr float kExpC1 = 0.999999701f, kExpC2 = 0.499991506f, kExpC3 = 0.166676521f, kExpC4 = 0.0418978221f, kExpC5 = 0.00828929059f;
 
 // Float32 vectors of 8 lanes (AVX2) and of 16 (AVX-512), loading float32, float16 or int32 elements. Every lane
 // computes on its own (one key's score, one dimension's output), so both widths give the same floats.
@@ -66,6 +76,18 @@ struct Lanes8 {
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  // exp(x) as ATen's exp_u20 (a degree-5 polynomial of the remainder after ln 2's; 0 below ln(FLT_MIN)).
+  static V exp(V x) {
+    const V below = _mm256_cmp_ps(x, _mm256_set1_ps(kLnFltMin), _CMP_LT_OS);
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(kLnFltMax)), _mm256_set1_ps(kLnFltMin));
+    const V n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(kLog2e), _mm256_set1_ps(0.5f)));
+    const V r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2), x);
+    V y = _mm256_fmadd_ps(r, _mm256_set1_ps(kExpC5), _mm256_set1_ps(kExpC4));
+    for (const float c : {kExpC3, kExpC2, kExpC1, 1.f}) y = _mm256_fmadd_ps(r, y, _mm256_set1_ps(c));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(_mm256_sub_ps(n, _mm256_set1_ps(1.f))), _mm256_set1_epi32(127)), 23);
+    const V two_n = _mm256_blendv_ps(_mm256_castsi256_ps(bits), _mm256_setzero_ps(), below);  // 2^(n - 1)
+    return _mm256_mul_ps(_mm256_mul_ps(y, two_n), _mm256_set1_ps(2.f));
+  }
 };
 
 #ifdef __AVX512F__
@@ -81,6 +103,17 @@ struct Lanes16 {
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V exp(V x) {  // Lanes8::exp's operations, lane by lane
+    const __mmask16 below = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kLnFltMin), _CMP_LT_OS);
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(kLnFltMax)), _mm512_set1_ps(kLnFltMin));
+    const V n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const V r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2), x);
+    V y = _mm512_fmadd_ps(r, _mm512_set1_ps(kExpC5), _mm512_set1_ps(kExpC4));
+    for (const float c : {kExpC3, kExpC2, kExpC1, 1.f}) y = _mm512_fmadd_ps(r, y, _mm512_set1_ps(c));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(_mm512_sub_ps(n, _mm512_set1_ps(1.f))), _mm512_set1_epi32(127)), 23);
+    const V two_n = _mm512_mask_blend_ps(below, _mm512_castsi512_ps(bits), _mm512_setzero_ps());  // 2^(n - 1)
+    return _mm512_mul_ps(_mm512_mul_ps(y, two_n), _mm512_set1_ps(2.f));
+  }
 };
 using WideLanes = Lanes16;  // 32 registers: 4 query rows a tile
 #else
@@ -181,19 +214,22 @@ struct F32Products {
   }
 };
 
-// Products for an int8 cache, in integers: each query row rounded to int16 (its own scale, max |q| / 32767), each
-// block's probabilities times their values' scales rounded to int16 (a scale per row and block), and both times the
-// cache's int8 keys and values as exact integer sums over pairs (AVX512-VNNI's vpdpwssd: 16 lanes of two int16
-// products an instruction); the sums then scaled back in float32. An integer sum is the same whatever computes it:
-// without AVX512-VNNI, a plain loop does. Query rows: the scale's bits after the d / 2 pairs; probabilities: the
-// scale's bits after the 16 pairs. Needs head_dim a multiple of 16, at most 256 (the sums stay within int32).
+// Products for an int8 cache, in integers: each query row rounded to int8 (its own scale, max |q| / 127) and times
+// the cache's int8 keys as exact integer sums over quadruples of dimensions (AVX512-VNNI's vpdpbusd: 16 lanes of
+// four byte products an instruction; it multiplies unsigned bytes by signed ones, so the keys, read with their top
+// bit flipped, are k + 128, and 128 * sum q comes off); each block's probabilities times their values' scales
+// rounded to int16 (a scale per row and block) and times the int8 values as exact integer sums over pairs of keys
+// (vpdpwssd: 16 lanes of two int16 products); the sums then scaled back in float32. An integer sum is the same
+// whatever computes it: without AVX512-VNNI, a plain loop does. Query rows: d / 4 quadruples, the scale's bits,
+// 128 * sum q; probabilities: 16 pairs, the scale's bits. Needs head_dim a multiple of 16, at most 256 (the sums
+// stay within int32).
 struct Int8Products {
   using Cached = int8_t;
   using PackedQuery = uint32_t;
   using PackedProbs = uint32_t;
   static constexpr int kScoreRows = 4;   // 4 x 2 accumulators
   static constexpr int kOutputRows = 4;  // 4 x 4 accumulators of 16 dimensions
-  static int64_t query_elems(int64_t d) { return d / 2 + 1; }
+  static int64_t query_elems(int64_t d) { return d / 4 + 2; }
   static constexpr int64_t kProbElems = kKeys / 2 + 1;
 
   // x's n values (a multiple of 8) as int16 (pairs of them per uint32), x_i ~ q_i * scale with scale = max |x| /
@@ -217,13 +253,39 @@ struct Int8Products {
     std::memcpy(out + n / 2, &scale, sizeof(float));
   }
 
-  static float scale_of(const uint32_t* packed, int64_t pairs) {
+  static float scale_of(const uint32_t* packed, int64_t words) {
     float scale;
-    std::memcpy(&scale, packed + pairs, sizeof(float));
+    std::memcpy(&scale, packed + words, sizeof(float));
     return scale;
   }
 
-  static void pack_query(const float* x, int64_t d, PackedQuery* out) { to_int16(x, d, out); }
+  // The query row x's d values as int8 (four per uint32), x_i ~ q_i * scale with scale = max |x| / 127, q_i = x_i *
+  // (127 / max |x|) rounded half to even; then the scale's bits and 128 * sum q.
+  static void pack_query(const float* x, int64_t d, PackedQuery* out) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 amax = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    const float top = max_of(amax), scale = top / 127.f;
+    int8_t* values = reinterpret_cast<int8_t*>(out);
+    int32_t sum = 0;
+    if (top > 0.f) {
+      const __m256 inverse = _mm256_set1_ps(127.f / top);
+      for (int64_t i = 0; i < d; i += 8) {
+        const __m256 q = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        alignas(32) int32_t q32[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(q32), _mm256_cvtps_epi32(q));
+        for (int j = 0; j < 8; ++j) {
+          values[i + j] = static_cast<int8_t>(std::clamp(q32[j], -127, 127));  // |q| <= 127 (+ a rounding)
+          sum += values[i + j];
+        }
+      }
+    } else {
+      std::fill_n(values, d, int8_t{0});
+    }
+    std::memcpy(out + d / 4, &scale, sizeof(float));
+    const int32_t offset = 128 * sum;
+    std::memcpy(out + d / 4 + 1, &offset, sizeof(int32_t));
+  }
 
   // scores [kRows][32] = (sum_i q_i k_i) * (q scale * scale) * k scale.
   template <int kRows>
@@ -233,19 +295,22 @@ struct Int8Products {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     __m512i acc[kRows][2];
     for (auto& row : acc) row[0] = row[1] = _mm512_setzero_si512();
-    for (int64_t p = 0; p < d / 2; ++p) {
-      __m512i k[2];  // per group, its 16 keys' dimensions 2p and 2p + 1
-      for (int g = 0; g < 2; ++g) k[g] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.keys[g] + p * block_size * 2)));
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int64_t p = 0; p < d / 4; ++p) {
+      __m512i k[2];  // per group, its 16 keys' dimensions 4p .. 4p + 3, plus 128 (unsigned)
+      for (int g = 0; g < 2; ++g) k[g] = _mm512_xor_si512(_mm512_loadu_si512(b.keys[g] + p * block_size * 4), flip);
       for (int r = 0; r < kRows; ++r) {
         const __m512i qp = _mm512_set1_epi32(static_cast<int>(q[r * qe + p]));
-        for (int g = 0; g < 2; ++g) acc[r][g] = _mm512_dpwssd_epi32(acc[r][g], k[g], qp);
+        for (int g = 0; g < 2; ++g) acc[r][g] = _mm512_dpbusd_epi32(acc[r][g], k[g], qp);
       }
     }
-    for (int r = 0; r < kRows; ++r)
-      for (int g = 0; g < 2; ++g) _mm512_store_si512(dots[r] + 16 * g, acc[r][g]);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512i offset = _mm512_set1_epi32(static_cast<int>(q[r * qe + d / 4 + 1]));
+      for (int g = 0; g < 2; ++g) _mm512_store_si512(dots[r] + 16 * g, _mm512_sub_epi32(acc[r][g], offset));
+    }
 #else
     for (int r = 0; r < kRows; ++r) {
-      const int16_t* qr = reinterpret_cast<const int16_t*>(q + r * qe);
+      const int8_t* qr = reinterpret_cast<const int8_t*>(q + r * qe);
       for (int64_t j = 0; j < kKeys; ++j) {
         int32_t dot = 0;
         for (int64_t i = 0; i < d; ++i) dot += qr[i] * b.keys[j / kGroup][key_offset<int8_t>(j % kGroup, i, block_size)];
@@ -255,7 +320,7 @@ struct Int8Products {
 #endif
     using L = WideLanes;
     for (int r = 0; r < kRows; ++r) {
-      const typename L::V coefficient = L::set1(scale_of(q + r * qe, d / 2) * scale);
+      const typename L::V coefficient = L::set1(scale_of(q + r * qe, d / 4) * scale);
       for (int64_t j = 0; j < kKeys; j += L::kLanes)
         L::store(scores + r * kKeys + j, L::mul(L::mul(L::load(dots[r] + j), coefficient), L::load(key_at(b.key_scales, j))));
     }
@@ -387,17 +452,15 @@ struct Bf16Products {
 };
 #endif
 
-// exp(x - max) of 32 scores in place (-inf → 0); returns their sum, in a fixed order.
+// exp(x - max) of 32 scores in place (-inf → 0); returns their sum, in a fixed order on any vector width.
 float exp_block(float* x, float max) {
-  using Vec = at::vec::Vectorized<float>;
-  Vec sum(0.f);
-  for (int64_t j = 0; j < kKeys; j += Vec::size()) {
-    const Vec e = (Vec::loadu(x + j) - Vec(max)).exp_u20();
-    e.store(x + j);
-    sum = sum + e;
-  }
-  float parts[Vec::size()];
-  sum.store(parts);
+  using L = WideLanes;
+  for (int64_t j = 0; j < kKeys; j += L::kLanes) L::store(x + j, L::exp(L::add(L::load(x + j), L::set1(-max))));
+  // Lane i of 8: exps i, i + 8, i + 16, i + 24 in turn; then the 8 lanes in turn.
+  __m256 lanes = _mm256_loadu_ps(x);
+  for (int64_t j = 8; j < kKeys; j += 8) lanes = _mm256_add_ps(lanes, _mm256_loadu_ps(x + j));
+  alignas(32) float parts[8];
+  _mm256_store_ps(parts, lanes);
   float total = 0.f;
   for (const float part : parts) total += part;
   return total;
@@ -450,12 +513,58 @@ KeyBlock<T> key_block(const T* k_cache, const T* v_cache, const Entry& e, const 
   return b;
 }
 
+// Asks for the cache line at p to be brought into L2 (into L1, prefetcht0, more misses wait for a slot). As inline
+// assembly: GCC deletes a loop of __builtin_prefetch, which it counts as having no side effects.
+inline void prefetch(const void* p) { asm volatile("prefetcht1 (%0)" : : "r"(p)); }
+
+// Asks for block b's keys and values (and an int8 block's scales) to be brought in while the block before it is
+// computed: on a long context, the products and the reads from memory then overlap, where without it they took
+// turns (one 4,000-token row: about a quarter less time, int8 or bfloat16).
+template <typename T>
+inline void prefetch_block(const KeyBlock<T>& b, const Cache& c) {
+  constexpr int64_t e = kKeyWidth<T>;
+  const int64_t group_bytes = kGroup * c.d * static_cast<int64_t>(sizeof(T));  // a group's keys, or values
+  const int64_t key_run = kGroup * e * static_cast<int64_t>(sizeof(T));  // a group's keys per element (pair)
+  for (int g = 0; g < 2; ++g) {
+    const char* keys = reinterpret_cast<const char*>(b.keys[g]);
+    const char* values = reinterpret_cast<const char*>(b.values[g]);
+    if (c.block_size == kGroup) {  // the group's keys are the block's: contiguous
+      for (int64_t i = 0; i < group_bytes; i += 64) prefetch(keys + i);
+    } else {
+      const int64_t stride = c.block_size * e * static_cast<int64_t>(sizeof(T));
+      for (int64_t i = 0; i < c.d / e; ++i) prefetch(keys + i * stride), prefetch(keys + i * stride + key_run - 1);
+    }
+    for (int64_t i = 0; i < group_bytes; i += 64) prefetch(values + i);
+    if constexpr (std::is_same_v<T, int8_t>) {
+      prefetch(b.key_scales[g]);
+      prefetch(b.value_scales[g]);
+    }
+  }
+}
+
 template <typename P>
 struct Scratch {
   std::vector<typename P::PackedQuery> q;
   std::vector<typename P::PackedProbs> p;
-  std::vector<float> out, scores, max, sum, rescale;
+  std::vector<float> out, scores, max, sum, rescale, merged_out, merged_max, merged_sum;
 };
+
+// A row's attention over one partition of its context, not yet divided by its sum: the largest score `max` (-inf
+// where the row sees no key of the partition), sum = sum_j exp(score_j - max) and out = sum_j exp(score_j - max) v_j.
+// fold() adds one to the partitions before it, in increasing order: the same floats wherever each was computed.
+inline void fold(const float* out, float max, float sum, int64_t d, float* merged_out, float& merged_max, float& merged_sum) {
+  if (max == kNegInf) return;  // nothing visible in this partition
+  if (merged_max == kNegInf) {  // the first visible partition, as it is
+    std::copy(out, out + d, merged_out);
+    merged_max = max;
+    merged_sum = sum;
+    return;
+  }
+  const float top = std::max(merged_max, max), keep = std::exp(merged_max - top), add = std::exp(max - top);
+  for (int64_t i = 0; i < d; ++i) merged_out[i] = merged_out[i] * keep + out[i] * add;
+  merged_sum = merged_sum * keep + sum * add;
+  merged_max = top;
+}
 
 // fn(std::integral_constant<int, rows>) for a tile of up to `rows` query rows: a tile of exactly `rows` where they
 // are fewer than kMax (a decode's query heads of one KV head), else of kMax.
@@ -468,34 +577,56 @@ inline void with_tile(int64_t rows, Fn&& fn) {
   else fn(std::integral_constant<int, std::min(kMax, 4)>{});
 }
 
-// Query rows [i0, i1) of entry e (positions e.first + i), the `group` query heads of KV head h.
+// The rows of a work item: query rows [i0, i1) of entry e (positions e.first + i), the `group` query heads of KV
+// head h; row r is position i0 + r / group, query head h * group + r % group.
+struct Rows {
+  int64_t entry, h, i0, i1;
+};
+
+// The partitions of rows' contexts: from the one holding the first row's lowest visible key to the last row's.
+inline int64_t first_partition(const Entry& e, const Rows& rows, const Cache& c) { return lowest_key(e.first + rows.i0, c.window) / kPartitionKeys; }
+inline int64_t end_partition(const Entry& e, const Rows& rows) { return (e.first + rows.i1 - 1) / kPartitionKeys + 1; }
+
+// The queries of `rows`, packed for the products, and the scratch sized for them.
 template <typename P>
-void attend_item(const float* q, int64_t q_row_stride, float* out, int64_t out_row_stride, const typename P::Cached* k_cache,
-                 const typename P::Cached* v_cache, const Entry& e, const Cache& c, int64_t h, int64_t group, int64_t i0, int64_t i1, float scale,
-                 Scratch<P>& s) {
-  const int64_t d = c.d, rows = (i1 - i0) * group, qe = P::query_elems(d);
+int64_t pack_rows(const float* q, int64_t q_row_stride, const Entry& e, const Rows& rows, int64_t group, int64_t d, Scratch<P>& s) {
+  const int64_t n = (rows.i1 - rows.i0) * group, qe = P::query_elems(d);
   constexpr int64_t kTile = std::max(P::kScoreRows, P::kOutputRows);
-  const int64_t padded = (rows + kTile - 1) / kTile * kTile;  // whole tiles of either size
+  const int64_t padded = (n + kTile - 1) / kTile * kTile;  // whole tiles of either size
   s.q.assign(padded * qe, 0);
   s.p.assign(padded * P::kProbElems, 0);
-  s.out.assign(padded * d, 0.f);
+  s.out.resize(padded * d);
   s.scores.resize(padded * kKeys);
-  s.max.assign(padded, kNegInf);
-  s.sum.assign(padded, 0.f);
-  s.rescale.assign(padded, 1.f);
-  // Row r: position i0 + r / group, query head h * group + r % group.
-  for (int64_t r = 0; r < rows; ++r) P::pack_query(q + (e.row + i0 + r / group) * q_row_stride + (h * group + r % group) * d, d, s.q.data() + r * qe);
-  const int64_t end = e.first + i1;
-  for (int64_t block = lowest_key(e.first + i0, c.window) / kKeys; block * kKeys < end; ++block) {
+  s.max.resize(padded);
+  s.sum.resize(padded);
+  s.rescale.resize(padded);
+  for (int64_t r = 0; r < n; ++r)
+    P::pack_query(q + (e.row + rows.i0 + r / group) * q_row_stride + (rows.h * group + r % group) * d, d, s.q.data() + r * qe);
+  return n;
+}
+
+// Partition `part` of the rows' contexts (packed by pack_rows), into s.out, s.max and s.sum.
+template <typename P>
+void attend_partition(const typename P::Cached* k_cache, const typename P::Cached* v_cache, const Entry& e, const Cache& c, const Rows& rows,
+                      int64_t group, int64_t part, float scale, Scratch<P>& s) {
+  const int64_t d = c.d, n = (rows.i1 - rows.i0) * group, qe = P::query_elems(d), end = e.first + rows.i1;
+  std::fill(s.out.begin(), s.out.end(), 0.f);
+  std::fill(s.max.begin(), s.max.end(), kNegInf);
+  std::fill(s.sum.begin(), s.sum.end(), 0.f);
+  std::fill(s.rescale.begin(), s.rescale.end(), 1.f);
+  const int64_t lo = std::max(lowest_key(e.first + rows.i0, c.window), part * kPartitionKeys) / kKeys;
+  const int64_t hi = std::min(end, (part + 1) * kPartitionKeys);
+  for (int64_t block = lo; block * kKeys < hi; ++block) {
     const int64_t key0 = block * kKeys;
-    const KeyBlock<typename P::Cached> b = key_block(k_cache, v_cache, e, c, h, block);
-    with_tile<P::kScoreRows>(rows, [&](auto tile) {
+    const KeyBlock<typename P::Cached> b = key_block(k_cache, v_cache, e, c, rows.h, block);
+    if ((block + kAhead) * kKeys < hi) prefetch_block(key_block(k_cache, v_cache, e, c, rows.h, block + kAhead), c);
+    with_tile<P::kScoreRows>(n, [&](auto tile) {
       constexpr int kRows = decltype(tile)::value;
-      for (int64_t r = 0; r < rows; r += kRows) P::template score_tile<kRows>(s.q.data() + r * qe, b, c.block_size, d, scale, s.scores.data() + r * kKeys);
+      for (int64_t r = 0; r < n; r += kRows) P::template score_tile<kRows>(s.q.data() + r * qe, b, c.block_size, d, scale, s.scores.data() + r * kKeys);
     });
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = 0; r < n; ++r) {
       float* x = s.scores.data() + r * kKeys;
-      const int64_t pos = e.first + i0 + r / group;
+      const int64_t pos = e.first + rows.i0 + r / group;
       // Keys key0 + j visible from pos: j in [lo, hi).
       const int64_t lo = std::clamp<int64_t>(lowest_key(pos, c.window) - key0, 0, kKeys), hi = std::clamp<int64_t>(pos + 1 - key0, 0, kKeys);
       const float block_max = mask_block(x, lo, hi);
@@ -504,45 +635,108 @@ void attend_item(const float* q, int64_t q_row_stride, float* out, int64_t out_r
         std::fill_n(x, kKeys, 0.f);
         s.rescale[r] = 1.f;
       } else {
-        s.rescale[r] = std::exp(s.max[r] - new_max);  // 0 on the first visible block (max was -inf), 1 if unchanged
+        // 0 on the first visible block (max was -inf), exactly 1 if unchanged (exp(0), without the call)
+        s.rescale[r] = new_max == s.max[r] ? 1.f : std::exp(s.max[r] - new_max);
         s.sum[r] = s.sum[r] * s.rescale[r] + exp_block(x, new_max);
         s.max[r] = new_max;
       }
       P::pack_probs(x, b, s.p.data() + r * P::kProbElems);
     }
-    with_tile<P::kOutputRows>(rows, [&](auto tile) {
+    with_tile<P::kOutputRows>(n, [&](auto tile) {
       constexpr int kRows = decltype(tile)::value;
-      for (int64_t r = 0; r < rows; r += kRows)
+      for (int64_t r = 0; r < n; r += kRows)
         P::template output_tile<kRows>(s.p.data() + r * P::kProbElems, s.rescale.data() + r, b, d, s.out.data() + r * d);
     });
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    float* y = out + (e.row + i0 + r / group) * out_row_stride + (h * group + r % group) * d;
-    const float inverse = 1.f / s.sum[r];
-    for (int64_t i = 0; i < d; ++i) y[i] = s.out[r * d + i] * inverse;
+}
+
+// The rows' outputs from their partitions folded in order: out / sum.
+inline void write_rows(const Entry& e, const Rows& rows, int64_t group, int64_t d, int64_t out_row_stride, const float* merged_out,
+                       const float* merged_sum, float* y) {
+  for (int64_t r = 0; r < (rows.i1 - rows.i0) * group; ++r) {
+    float* row = y + (e.row + rows.i0 + r / group) * out_row_stride + (rows.h * group + r % group) * d;
+    const float inverse = 1.f / merged_sum[r];
+    for (int64_t i = 0; i < d; ++i) row[i] = merged_out[r * d + i] * inverse;
   }
 }
 
+// Work items are rows (an entry's positions, one KV head) and all their partitions, one thread computing and
+// folding them in turn; where those are too few to keep the threads busy (a few sequences decoding), each
+// partition is an item of its own and the folds follow, in the same order: the same floats either way.
 template <typename P>
 void attention(const float* q, int64_t q_row_stride, int64_t heads, const typename P::Cached* k_cache, const typename P::Cached* v_cache,
                const std::vector<Entry>& entries, const Cache& c, float scale, float* y) {
-  const int64_t group = heads / c.kv_heads, positions = std::max<int64_t>(kQueryRows / group, 1);
-  struct Item {
-    int64_t entry, h, i0, i1;
-  };
-  std::vector<Item> items;
+  const int64_t group = heads / c.kv_heads, positions = std::max<int64_t>(kQueryRows / group, 1), d = c.d, out_row_stride = heads * d;
+  std::vector<Rows> all_rows;
   for (int64_t b = 0; b < static_cast<int64_t>(entries.size()); ++b) {
     const Entry& e = entries[b];
     for (int64_t i = (e.count + positions - 1) / positions - 1; i >= 0; --i)  // the latest positions (most keys) first
-      for (int64_t h = 0; h < c.kv_heads; ++h) items.push_back({b, h, i * positions, std::min(e.count, (i + 1) * positions)});
+      for (int64_t h = 0; h < c.kv_heads; ++h) all_rows.push_back({b, h, i * positions, std::min(e.count, (i + 1) * positions)});
   }
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  if (threads == 1 || static_cast<int64_t>(all_rows.size()) >= kItemsPerThread * threads) {
+    parallel_chunks(static_cast<int64_t>(all_rows.size()), 1, [&](int64_t begin, int64_t end) {
+      thread_local Scratch<P> s;
+      for (int64_t n = begin; n < end; ++n) {
+        const Rows& rows = all_rows[n];
+        const Entry& e = entries[rows.entry];
+        const int64_t count = pack_rows(q, q_row_stride, e, rows, group, d, s);
+        s.merged_out.resize(count * d);
+        s.merged_max.assign(count, kNegInf);
+        s.merged_sum.assign(count, 0.f);
+        for (int64_t part = first_partition(e, rows, c); part < end_partition(e, rows); ++part) {
+          attend_partition(k_cache, v_cache, e, c, rows, group, part, scale, s);
+          for (int64_t r = 0; r < count; ++r)
+            fold(s.out.data() + r * d, s.max[r], s.sum[r], d, s.merged_out.data() + r * d, s.merged_max[r], s.merged_sum[r]);
+        }
+        write_rows(e, rows, group, d, out_row_stride, s.merged_out.data(), s.merged_sum.data(), y);
+      }
+    });
+    return;
+  }
+  // One item per partition: its rows' out, max and sum at `offset` floats into `partials` ((d + 2) floats a row).
+  struct Item {
+    int64_t rows, part, offset;
+  };
+  std::vector<Item> items;
+  std::vector<int64_t> first_item;
+  int64_t size = 0;
+  for (int64_t n = 0; n < static_cast<int64_t>(all_rows.size()); ++n) {
+    const Rows& rows = all_rows[n];
+    const Entry& e = entries[rows.entry];
+    first_item.push_back(static_cast<int64_t>(items.size()));
+    for (int64_t part = end_partition(e, rows) - 1; part >= first_partition(e, rows, c); --part) {  // the latest keys first
+      items.push_back({n, part, size});
+      size += (rows.i1 - rows.i0) * group * (d + 2);
+    }
+  }
+  first_item.push_back(static_cast<int64_t>(items.size()));
+  std::vector<float> partials(size);
   parallel_chunks(static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    thread_local Scratch<P> scratch;
+    thread_local Scratch<P> s;
     for (int64_t n = begin; n < end; ++n) {
       const Item& it = items[n];
-      attend_item<P>(q, q_row_stride, y, heads * c.d, k_cache, v_cache, entries[it.entry], c, it.h, group, it.i0, it.i1, scale, scratch);
+      const Rows& rows = all_rows[it.rows];
+      const Entry& e = entries[rows.entry];
+      const int64_t count = pack_rows(q, q_row_stride, e, rows, group, d, s);
+      attend_partition(k_cache, v_cache, e, c, rows, group, it.part, scale, s);
+      float* partial = partials.data() + it.offset;
+      std::copy(s.out.begin(), s.out.begin() + count * d, partial);
+      std::copy(s.max.begin(), s.max.begin() + count, partial + count * d);
+      std::copy(s.sum.begin(), s.sum.begin() + count, partial + count * (d + 1));
     }
   });
+  for (int64_t n = 0; n < static_cast<int64_t>(all_rows.size()); ++n) {
+    const Rows& rows = all_rows[n];
+    const int64_t count = (rows.i1 - rows.i0) * group;
+    std::vector<float> merged_out(count * d), merged_max(count, kNegInf), merged_sum(count, 0.f);
+    for (int64_t i = first_item[n + 1] - 1; i >= first_item[n]; --i) {  // items were made latest partition first
+      const float* partial = partials.data() + items[i].offset;
+      for (int64_t r = 0; r < count; ++r)
+        fold(partial + r * d, partial[count * d + r], partial[count * (d + 1) + r], d, merged_out.data() + r * d, merged_max[r], merged_sum[r]);
+    }
+    write_rows(entries[rows.entry], rows, group, d, out_row_stride, merged_out.data(), merged_sum.data(), y);
+  }
 }
 
 // q [T, heads, D] float32 (rows of any stride; heads and dimensions contiguous); caches [kv_heads, slots, D] (kv_cache.h);

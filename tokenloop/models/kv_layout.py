@@ -3,10 +3,10 @@
 Per layer, the caches are [kv_heads, slots, width] tensors; slot s is position s % block_size of block
 s // block_size. Each block's block_size * width elements (per KV head) are laid out for the attention
 kernel's products, so that it reads them where they are, with no copy per step:
-- keys dimension-major, [head_dim / e][block_size][e]: one load gives a dimension (pair) of consecutive keys;
+- keys dimension-major, [head_dim / k][block_size][k]: one load gives k dimensions of consecutive keys;
 - values key-major, [block_size / e][head_dim][e];
 e = 2 for bfloat16 and int8 (the pairs AVX512-BF16's and AVX512-VNNI's dot products multiply), 1 otherwise (values
-are then plain rows).
+are then plain rows); k = e, but 4 for int8 keys (the quadruples of AVX512-VNNI's byte dot product).
 An int8 cache holds each token's head as 8-bit integers times a float16 scale (max |x| / 127, per token and KV
 head: a token's bytes depend on that token alone, however its prompt was chunked); a block's block_size scales
 follow its values, so its rows are head_dim + 2 bytes wide and the scales move with the block. Whole blocks move as
@@ -22,6 +22,10 @@ SCALE_BYTES = 2  # an int8 cache's per-token float16 scale, stored in the block 
 
 def pair_width(dtype: torch.dtype) -> int:
     return 2 if dtype in (torch.bfloat16, torch.int8) else 1
+
+
+def key_width(dtype: torch.dtype) -> int:
+    return 4 if dtype == torch.int8 else pair_width(dtype)
 
 
 def width(head_dim: int, dtype: torch.dtype) -> int:
@@ -60,9 +64,9 @@ def _blocks(cache: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.T
 
 
 def _keys(cache: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The keys as [kv_heads, blocks, block_size, head_dim / e, e]: a view, indexed by position and dimension."""
+    """The keys as [kv_heads, blocks, block_size, head_dim / k, k]: a view, indexed by position and dimension."""
     elements, _ = _blocks(cache, block_size)
-    e = pair_width(cache.dtype)
+    e = key_width(cache.dtype)
     return elements.unflatten(2, (head_dim(cache) // e, block_size, e)).transpose(2, 3)
 
 
@@ -79,12 +83,13 @@ def write(
 ) -> None:
     """Token t's k[t] and v[t] ([T, kv_heads, head_dim] each) into slot slots[t]."""
     blocks, at = slots // block_size, slots % block_size
-    e = pair_width(k_cache.dtype)
     if k_cache.dtype == torch.int8:
         (k, k_scale), (v, v_scale) = quantize(k), quantize(v)
         _blocks(k_cache, block_size)[1].permute(1, 2, 0)[blocks, at] = k_scale
         _blocks(v_cache, block_size)[1].permute(1, 2, 0)[blocks, at] = v_scale
-    _keys(k_cache, block_size).permute(1, 2, 0, 3, 4)[blocks, at] = k.unflatten(2, (-1, e)).to(k_cache.dtype)
+    keys = k.unflatten(2, (-1, key_width(k_cache.dtype))).to(k_cache.dtype)
+    _keys(k_cache, block_size).permute(1, 2, 0, 3, 4)[blocks, at] = keys
+    e = pair_width(v_cache.dtype)
     _values(v_cache, block_size).permute(1, 2, 3, 0, 4)[blocks, at // e, at % e] = v.to(v_cache.dtype)
 
 
