@@ -232,19 +232,28 @@ struct Int8Products {
   static int64_t query_elems(int64_t d) { return d / 4 + 2; }
   static constexpr int64_t kProbElems = kKeys / 2 + 1;
 
-  // x's n values (a multiple of 8) as int16 (pairs of them per uint32), x_i ~ q_i * scale with scale = max |x| /
-  // 32767, q_i = x_i * (32767 / max |x|) rounded half to even; the scale's bits after them.
-  static void to_int16(const float* x, int64_t n, uint32_t* out) {
+  // The largest |x_i| of n values (a multiple of 8).
+  static float abs_max(const float* x, int64_t n) {
     const __m256 sign = _mm256_set1_ps(-0.f);
     __m256 amax = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
-    const float top = max_of(amax), scale = top / 32767.f;
+    return max_of(amax);
+  }
+
+  // x[0..8) * inverse, rounded half to even.
+  static __m256i rounded(const float* x, __m256 inverse) {
+    return _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x), inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+
+  // x's n values (a multiple of 8) as int16 (pairs of them per uint32), x_i ~ q_i * scale with scale = max |x| /
+  // 32767, q_i = x_i * (32767 / max |x|) rounded half to even; the scale's bits after them.
+  static void to_int16(const float* x, int64_t n, uint32_t* out) {
+    const float top = abs_max(x, n), scale = top / 32767.f;
     int16_t* values = reinterpret_cast<int16_t*>(out);
     if (top > 0.f) {
       const __m256 inverse = _mm256_set1_ps(32767.f / top);
       for (int64_t i = 0; i < n; i += 8) {
-        const __m256 q = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m256i q32 = _mm256_cvtps_epi32(q);  // |q| <= 32767 (+ a rounding): packs saturates
+        const __m256i q32 = rounded(x + i, inverse);  // |q| <= 32767 (+ a rounding): packs saturates
         _mm_storeu_si128(reinterpret_cast<__m128i*>(values + i), _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1)));
       }
     } else {
@@ -262,18 +271,14 @@ struct Int8Products {
   // The query row x's d values as int8 (four per uint32), x_i ~ q_i * scale with scale = max |x| / 127, q_i = x_i *
   // (127 / max |x|) rounded half to even; then the scale's bits and 128 * sum q.
   static void pack_query(const float* x, int64_t d, PackedQuery* out) {
-    const __m256 sign = _mm256_set1_ps(-0.f);
-    __m256 amax = _mm256_setzero_ps();
-    for (int64_t i = 0; i < d; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
-    const float top = max_of(amax), scale = top / 127.f;
+    const float top = abs_max(x, d), scale = top / 127.f;
     int8_t* values = reinterpret_cast<int8_t*>(out);
     int32_t sum = 0;
     if (top > 0.f) {
       const __m256 inverse = _mm256_set1_ps(127.f / top);
       for (int64_t i = 0; i < d; i += 8) {
-        const __m256 q = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         alignas(32) int32_t q32[8];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(q32), _mm256_cvtps_epi32(q));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(q32), rounded(x + i, inverse));
         for (int j = 0; j < 8; ++j) {
           values[i + j] = static_cast<int8_t>(std::clamp(q32[j], -127, 127));  // |q| <= 127 (+ a rounding)
           sum += values[i + j];
