@@ -198,13 +198,14 @@ def small_vocab_model(folder: Path, vocab: int, seed: int):
     return model.eval()
 
 
-def quantized_activations(x: torch.Tensor) -> torch.Tensor:
-    """The kernel's activations, in float64: int8 per block of 32 with scale max|x| / 127, times that scale."""
-    m, k = x.shape
-    blocks = x.view(m, k // 32, 32)
+def quantized_activations(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """A kernel's int8 activations, in float64: int8 per block of the last dimension with scale max|x| / 127, times
+    that scale (blocks of 32: the quantized products'; a head: the int8 KV cache's attention queries)."""
+    *m, k = x.shape
+    blocks = x.reshape(*m, k // block, block)
     amax = blocks.abs().amax(-1)
     q = torch.round(blocks * torch.where(amax > 0, 127 / amax, 0)[..., None])
-    return (q.double() * (amax.double() / 127)[..., None]).view(m, k)
+    return (q.double() * (amax.double() / 127)[..., None]).view(*m, k)
 
 
 def reference_greedy(model, prompt_ids: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import quantized_activations
 from tokenloop.engine.model_runner import ModelRunner
 from tokenloop.engine.scheduler import ScheduledBatch
 from tokenloop.engine.sequence import Sequence
@@ -62,9 +63,8 @@ def test_the_sdpa_path_gives_the_kernels_attention(tiny_model_folder, window, kv
     meta = runner.prepare(ScheduledBatch([decoding, long, fresh], [1, 5, 2])).meta
     meta = meta if window is None else meta.windowed(window)
     q = torch.randn(8, attn.num_heads, attn.head_dim, generator=gen)
-    if kv_dtype == torch.int8:  # queries the int8 kernel's rounding keeps as they are (int8, max |q| / 127 a row)
-        top = q.abs().amax(-1, keepdim=True)
-        q = (q * (127 / top)).round() * (top / 127)
+    if kv_dtype == torch.int8:  # queries the int8 kernel's rounding keeps as they are
+        q = quantized_activations(q, block=attn.head_dim).float()
     kernel = attn.attend(q, meta)
     attn.cpu_kernel = False
     try:

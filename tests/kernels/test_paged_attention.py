@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import quantized_activations
 from tokenloop import kernels
 from tokenloop.models import kv_layout
 
@@ -109,8 +110,7 @@ def test_each_query_attends_to_its_causal_window_of_the_paged_cache(cache_dtype,
         assert error < 0.01
         # The queries as the kernel rounds them (a scale per row, max |q| / 127), against the dequantized cache:
         # what remains is the probabilities' int16 rounding.
-        top = q.abs().amax(-1, keepdim=True)
-        rounded = (q * (127 / top)).round() * (top / 127)
+        rounded = quantized_activations(q, block=head_dim)
         expected = torch.cat(
             [
                 reference(rounded[r : r + c], cache, s, f, window, scale)

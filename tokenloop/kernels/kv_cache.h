@@ -5,9 +5,10 @@
 // - keys dimension-major, [head_dim / K][block_size][K]: one load gives K dimensions of consecutive keys;
 // - values key-major, [block_size / E][head_dim][E];
 // E = 2 for bfloat16 and int8 (the pairs vdpbf16ps and vpdpwssd multiply), 1 otherwise (values are then plain
-// rows); K = E, but 4 for int8 keys (the quadruples vpdpbusd multiplies). An int8 block's keys and values (each token's head: q_i * scale) are followed by its block_size float16
-// scales, so that its rows are head_dim + 2 bytes and the scales move with the block. Whole blocks move as they
-// are; models/kv_layout.py is the same layout in PyTorch.
+// rows); K = E, but 4 for int8 keys (the quadruples vpdpbusd multiplies). An int8 block's keys and values (each
+// token's head: q_i * scale) are followed by its block_size float16 scales, so that its rows are head_dim + 2 bytes
+// and the scales move with the block. Whole blocks move as they are; models/kv_layout.py is the same layout in
+// PyTorch.
 #pragma once
 
 #include <ATen/core/Tensor.h>

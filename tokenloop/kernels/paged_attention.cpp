@@ -547,29 +547,44 @@ inline void prefetch_block(const KeyBlock<T>& b, const Cache& c) {
   }
 }
 
+// Rows' attention over their partitions folded so far, in increasing order: per row the output (d floats, not yet
+// divided by the sum), the largest score (-inf before a visible partition) and the sum of exp(score - max).
+// A partition's own attention has the same form; folding one adds it to those before it: the same floats wherever
+// each partition was computed.
+struct Folded {
+  std::vector<float> out, max, sum;
+
+  void reset(int64_t rows, int64_t d) {
+    out.resize(rows * d);
+    max.assign(rows, kNegInf);
+    sum.assign(rows, 0.f);
+  }
+
+  // Row r's next partition: its output `part_out`, its largest score and its sum.
+  void fold(int64_t r, int64_t d, const float* part_out, float part_max, float part_sum) {
+    if (part_max == kNegInf) return;  // nothing visible in this partition
+    float* row = out.data() + r * d;
+    if (max[r] == kNegInf) {  // the first visible partition, as it is
+      std::copy(part_out, part_out + d, row);
+      max[r] = part_max;
+      sum[r] = part_sum;
+      return;
+    }
+    const float top = std::max(max[r], part_max), keep = std::exp(max[r] - top), add = std::exp(part_max - top);
+    for (int64_t i = 0; i < d; ++i) row[i] = row[i] * keep + part_out[i] * add;
+    sum[r] = sum[r] * keep + part_sum * add;
+    max[r] = top;
+  }
+};
+
 template <typename P>
 struct Scratch {
   std::vector<typename P::PackedQuery> q;
   std::vector<typename P::PackedProbs> p;
-  std::vector<float> out, scores, max, sum, rescale, merged_out, merged_max, merged_sum;
+  std::vector<float> scores, rescale;
+  Folded part;    // the partition being computed (its blocks folded in by the online softmax)
+  Folded folded;  // the partitions before it
 };
-
-// A row's attention over one partition of its context, not yet divided by its sum: the largest score `max` (-inf
-// where the row sees no key of the partition), sum = sum_j exp(score_j - max) and out = sum_j exp(score_j - max) v_j.
-// fold() adds one to the partitions before it, in increasing order: the same floats wherever each was computed.
-inline void fold(const float* out, float max, float sum, int64_t d, float* merged_out, float& merged_max, float& merged_sum) {
-  if (max == kNegInf) return;  // nothing visible in this partition
-  if (merged_max == kNegInf) {  // the first visible partition, as it is
-    std::copy(out, out + d, merged_out);
-    merged_max = max;
-    merged_sum = sum;
-    return;
-  }
-  const float top = std::max(merged_max, max), keep = std::exp(merged_max - top), add = std::exp(max - top);
-  for (int64_t i = 0; i < d; ++i) merged_out[i] = merged_out[i] * keep + out[i] * add;
-  merged_sum = merged_sum * keep + sum * add;
-  merged_max = top;
-}
 
 // fn(std::integral_constant<int, rows>) for a tile of up to `rows` query rows: a tile of exactly `rows` where they
 // are fewer than kMax (a decode's query heads of one KV head), else of kMax.
@@ -600,24 +615,21 @@ int64_t pack_rows(const float* q, int64_t q_row_stride, const Entry& e, const Ro
   const int64_t padded = (n + kTile - 1) / kTile * kTile;  // whole tiles of either size
   s.q.assign(padded * qe, 0);
   s.p.assign(padded * P::kProbElems, 0);
-  s.out.resize(padded * d);
   s.scores.resize(padded * kKeys);
-  s.max.resize(padded);
-  s.sum.resize(padded);
   s.rescale.resize(padded);
   for (int64_t r = 0; r < n; ++r)
     P::pack_query(q + (e.row + rows.i0 + r / group) * q_row_stride + (rows.h * group + r % group) * d, d, s.q.data() + r * qe);
   return n;
 }
 
-// Partition `part` of the rows' contexts (packed by pack_rows), into s.out, s.max and s.sum.
+// Partition `part` of the rows' contexts (packed by pack_rows), into s.part.
 template <typename P>
 void attend_partition(const typename P::Cached* k_cache, const typename P::Cached* v_cache, const Entry& e, const Cache& c, const Rows& rows,
                       int64_t group, int64_t part, float scale, Scratch<P>& s) {
   const int64_t d = c.d, n = (rows.i1 - rows.i0) * group, qe = P::query_elems(d), end = e.first + rows.i1;
-  std::fill(s.out.begin(), s.out.end(), 0.f);
-  std::fill(s.max.begin(), s.max.end(), kNegInf);
-  std::fill(s.sum.begin(), s.sum.end(), 0.f);
+  const int64_t padded = static_cast<int64_t>(s.rescale.size());
+  s.part.reset(padded, d);
+  std::fill(s.part.out.begin(), s.part.out.end(), 0.f);
   std::fill(s.rescale.begin(), s.rescale.end(), 1.f);
   const int64_t lo = std::max(lowest_key(e.first + rows.i0, c.window), part * kPartitionKeys) / kKeys;
   const int64_t hi = std::min(end, (part + 1) * kPartitionKeys);
@@ -635,33 +647,33 @@ void attend_partition(const typename P::Cached* k_cache, const typename P::Cache
       // Keys key0 + j visible from pos: j in [lo, hi).
       const int64_t lo = std::clamp<int64_t>(lowest_key(pos, c.window) - key0, 0, kKeys), hi = std::clamp<int64_t>(pos + 1 - key0, 0, kKeys);
       const float block_max = mask_block(x, lo, hi);
-      const float new_max = std::max(s.max[r], block_max);
+      float &max = s.part.max[r], &sum = s.part.sum[r];
+      const float new_max = std::max(max, block_max);
       if (new_max == kNegInf) {  // nothing visible yet: no probabilities, nothing to rescale
         std::fill_n(x, kKeys, 0.f);
         s.rescale[r] = 1.f;
       } else {
         // 0 on the first visible block (max was -inf), exactly 1 if unchanged (exp(0), without the call)
-        s.rescale[r] = new_max == s.max[r] ? 1.f : std::exp(s.max[r] - new_max);
-        s.sum[r] = s.sum[r] * s.rescale[r] + exp_block(x, new_max);
-        s.max[r] = new_max;
+        s.rescale[r] = new_max == max ? 1.f : std::exp(max - new_max);
+        sum = sum * s.rescale[r] + exp_block(x, new_max);
+        max = new_max;
       }
       P::pack_probs(x, b, s.p.data() + r * P::kProbElems);
     }
     with_tile<P::kOutputRows>(n, [&](auto tile) {
       constexpr int kRows = decltype(tile)::value;
       for (int64_t r = 0; r < n; r += kRows)
-        P::template output_tile<kRows>(s.p.data() + r * P::kProbElems, s.rescale.data() + r, b, d, s.out.data() + r * d);
+        P::template output_tile<kRows>(s.p.data() + r * P::kProbElems, s.rescale.data() + r, b, d, s.part.out.data() + r * d);
     });
   }
 }
 
-// The rows' outputs from their partitions folded in order: out / sum.
-inline void write_rows(const Entry& e, const Rows& rows, int64_t group, int64_t d, int64_t out_row_stride, const float* merged_out,
-                       const float* merged_sum, float* y) {
+// The rows' outputs from all their partitions folded: out / sum.
+inline void write_rows(const Entry& e, const Rows& rows, int64_t group, int64_t d, int64_t out_row_stride, const Folded& folded, float* y) {
   for (int64_t r = 0; r < (rows.i1 - rows.i0) * group; ++r) {
     float* row = y + (e.row + rows.i0 + r / group) * out_row_stride + (rows.h * group + r % group) * d;
-    const float inverse = 1.f / merged_sum[r];
-    for (int64_t i = 0; i < d; ++i) row[i] = merged_out[r * d + i] * inverse;
+    const float inverse = 1.f / folded.sum[r];
+    for (int64_t i = 0; i < d; ++i) row[i] = folded.out[r * d + i] * inverse;
   }
 }
 
@@ -686,15 +698,12 @@ void attention(const float* q, int64_t q_row_stride, int64_t heads, const typena
         const Rows& rows = all_rows[n];
         const Entry& e = entries[rows.entry];
         const int64_t count = pack_rows(q, q_row_stride, e, rows, group, d, s);
-        s.merged_out.resize(count * d);
-        s.merged_max.assign(count, kNegInf);
-        s.merged_sum.assign(count, 0.f);
+        s.folded.reset(count, d);
         for (int64_t part = first_partition(e, rows, c); part < end_partition(e, rows); ++part) {
           attend_partition(k_cache, v_cache, e, c, rows, group, part, scale, s);
-          for (int64_t r = 0; r < count; ++r)
-            fold(s.out.data() + r * d, s.max[r], s.sum[r], d, s.merged_out.data() + r * d, s.merged_max[r], s.merged_sum[r]);
+          for (int64_t r = 0; r < count; ++r) s.folded.fold(r, d, s.part.out.data() + r * d, s.part.max[r], s.part.sum[r]);
         }
-        write_rows(e, rows, group, d, out_row_stride, s.merged_out.data(), s.merged_sum.data(), y);
+        write_rows(e, rows, group, d, out_row_stride, s.folded, y);
       }
     });
     return;
@@ -726,21 +735,21 @@ void attention(const float* q, int64_t q_row_stride, int64_t heads, const typena
       const int64_t count = pack_rows(q, q_row_stride, e, rows, group, d, s);
       attend_partition(k_cache, v_cache, e, c, rows, group, it.part, scale, s);
       float* partial = partials.data() + it.offset;
-      std::copy(s.out.begin(), s.out.begin() + count * d, partial);
-      std::copy(s.max.begin(), s.max.begin() + count, partial + count * d);
-      std::copy(s.sum.begin(), s.sum.begin() + count, partial + count * (d + 1));
+      std::copy(s.part.out.begin(), s.part.out.begin() + count * d, partial);
+      std::copy(s.part.max.begin(), s.part.max.begin() + count, partial + count * d);
+      std::copy(s.part.sum.begin(), s.part.sum.begin() + count, partial + count * (d + 1));
     }
   });
+  Folded folded;
   for (int64_t n = 0; n < static_cast<int64_t>(all_rows.size()); ++n) {
     const Rows& rows = all_rows[n];
     const int64_t count = (rows.i1 - rows.i0) * group;
-    std::vector<float> merged_out(count * d), merged_max(count, kNegInf), merged_sum(count, 0.f);
+    folded.reset(count, d);
     for (int64_t i = first_item[n + 1] - 1; i >= first_item[n]; --i) {  // items were made latest partition first
       const float* partial = partials.data() + items[i].offset;
-      for (int64_t r = 0; r < count; ++r)
-        fold(partial + r * d, partial[count * d + r], partial[count * (d + 1) + r], d, merged_out.data() + r * d, merged_max[r], merged_sum[r]);
+      for (int64_t r = 0; r < count; ++r) folded.fold(r, d, partial + r * d, partial[count * d + r], partial[count * (d + 1) + r]);
     }
-    write_rows(entries[rows.entry], rows, group, d, out_row_stride, merged_out.data(), merged_sum.data(), y);
+    write_rows(entries[rows.entry], rows, group, d, out_row_stride, folded, y);
   }
 }
 
