@@ -320,6 +320,31 @@ def test_base_and_adapter_requests_in_one_batch_with_prefix_caching_get_their_to
     assert llm.llm_engine.block_manager.prefix_hit_tokens > 0
 
 
+@pytest.mark.parametrize(
+    "engine_args", [{"dtype": "float32"}, {"dtype": "auto"}, {"dtype": "auto", "kv_cache_dtype": "int8"}]
+)
+def test_a_context_past_one_attention_partition_gets_its_tokens_and_logprobs_alone(
+    make_llm, long_context_model_folder, engine_args
+):
+    """Past 512 keys, attention takes a row's context in partitions and folds them: a sequence decoding alone on
+    two threads gets one work item a partition, inside a batch (or on one thread) one item for all of a row's
+    partitions. Greedy and seeded requests of 1,100 and 1,600 prompt tokens (three and four partitions: a fold of
+    two is the same either way round): the same tokens and logprobs alone, in a batch of 24 arriving around them,
+    and prefilled in chunks of 64 with the prefix cache on."""
+    rng = random.Random(5)
+    checked = [
+        ({"prompt_token_ids": [rng.randrange(3, 400) for _ in range(n)]}, params)
+        for n, params in ((1100, GREEDY), (1600, seeded(7)))
+    ]
+    alone_llm = make_llm(long_context_model_folder, **engine_args, kv_cache_gb=0.05, threads=2)
+    alone = [run(alone_llm, [r])[0] for r in checked]
+    batch, arrivals, at = mixed(checked, fillers(22, seed=5), seed=5, latest=20)
+    in_batch = run(make_llm(long_context_model_folder, **engine_args, kv_cache_gb=0.05, threads=2), batch, arrivals)
+    assert_same([in_batch[i] for i in at], alone)
+    chunked = make_llm(long_context_model_folder, **engine_args, kv_cache_gb=0.05, max_num_batched_tokens=64)
+    assert_same(run(chunked, checked), alone)
+
+
 @pytest.mark.slow  # a first run builds each package (20 to 60 s on 2 cores); later ones load it from the cache
 @pytest.mark.parametrize(
     "case", [("llama", "auto"), ("kquant", "auto"), ("llama", "auto", "int8")], ids=case_id, indirect=True
