@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
-from tokenloop.models.huge_pages import HUGE_PAGE, advise_huge_pages
+from tokenloop.models.huge_pages import ALIGNMENT, HUGE_PAGE, advise_huge_pages, allocate_in_huge_pages
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 needs_thp = pytest.mark.skipif(
@@ -54,6 +55,36 @@ def test_tensors_off_the_cpu_are_skipped():
 
 
 @needs_thp
+def test_small_tensors_share_one_advised_storage():
+    with torch.device("meta"):
+        model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(40)))  # 256 KB a weight: no huge page alone
+    model[1].weight = model[0].weight
+    allocate_in_huge_pages(model, torch.device("cpu"))
+    tensors = list({t.data_ptr(): t for t in model.parameters()}.values())  # the tied pair counted once
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    # nn.Module._apply gives the tied pair two Parameters, over one memory
+    assert model[1].weight.data_ptr() == model[0].weight.data_ptr()
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:])), "tensors overlap"
+    assert all(start % ALIGNMENT == 0 for start, _ in spans)
+    assert spans[0][0] % HUGE_PAGE == 0 and "hg" in vm_flags(spans[0][0])
+    for i, t in enumerate(tensors):
+        t.data.fill_(i)
+    assert all(bool((t == i).all()) for i, t in enumerate(tensors))
+
+
+def test_off_the_cpu_each_tensor_gets_its_own_memory():
+    with torch.device("meta"):
+        model = nn.Linear(8, 4)
+    allocate_in_huge_pages(model, torch.device("meta"))
+    assert model.weight.shape == (4, 8) and model.weight.device.type == "meta"
+
+
+@needs_thp
 def test_a_loaded_model_has_its_weights_advised(llm_fp32):
-    embedding = llm_fp32.llm_engine.runner.model.embed_tokens.weight  # 49,152 x 576 float32: 113 MB
+    model = llm_fp32.llm_engine.runner.model
+    embedding = model.embed_tokens.weight  # 49,152 x 576 float32: 113 MB
     assert "hg" in vm_flags(huge_part(embedding))
+    norm = model.layers[0].input_layernorm.weight  # 2 KB, in the same storage
+    assert norm.untyped_storage().data_ptr() == embedding.untyped_storage().data_ptr()
+    assert "hg" in vm_flags(norm.data_ptr())

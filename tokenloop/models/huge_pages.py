@@ -3,7 +3,9 @@
 A decode step streams every weight once: a 270M model's ~250 MB touch 60,000 4 KiB pages, about twenty times
 what the TLB holds, so nearly every page costs a page walk, and the hardware prefetchers stop at each page's end.
 Linux backs memory with transparent huge pages only where asked (`enabled` is `madvise` on most distributions):
-this asks for the weights, before they are first written, so that they are faulted in as 2 MiB pages.
+this asks for the weights, before they are first written, so that they are faulted in as 2 MiB pages. A layer's
+weights are a few hundred KB each, too small to hold a whole huge page of their own: all of a model's tensors
+share one storage, and the step's stream crosses a page boundary every 2 MiB.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from collections.abc import Iterable
 from functools import cache
 
 import torch
+from torch import nn
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
+ALIGNMENT = 64  # a cache line: where the allocator would have put each tensor
 
 
 @cache
@@ -45,3 +49,32 @@ def advise_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
         if end > start and madvise(start, end - start, MADV_HUGEPAGE) == 0:
             advised += end - start
     return advised
+
+
+def _aligned(t: torch.Tensor) -> int:
+    return -(-t.nbytes // ALIGNMENT) * ALIGNMENT
+
+
+def allocate_in_huge_pages(module: nn.Module, device: torch.device) -> None:
+    """Give every parameter and buffer of `module` (built on the meta device) uninitialised memory on `device`: on
+    the CPU, views into one storage advised for huge pages before anything is written to it (allocated one by
+    one, only the embedding and the LM head would hold whole huge pages)."""
+    if device.type != "cpu":
+        # model.to_empty, but by a factory function: empty_like on a meta tensor runs a Python reference that
+        # imports sympy (32 MB resident for nothing).
+        module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+        return
+    tensors = {id(t): t for t in (*module.parameters(), *module.buffers())}
+    arena = torch.empty(sum(map(_aligned, tensors.values())) + HUGE_PAGE, dtype=torch.uint8)
+    advise_huge_pages([arena])
+    offset = -arena.data_ptr() % HUGE_PAGE  # the first tensor starts a huge page
+    placed: dict[int, torch.Tensor] = {}
+
+    def place(t: torch.Tensor) -> torch.Tensor:
+        nonlocal offset
+        if id(t) not in placed:
+            placed[id(t)] = arena[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
+            offset += _aligned(t)
+        return placed[id(t)]
+
+    module._apply(place)

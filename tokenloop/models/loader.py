@@ -16,7 +16,7 @@ from tokenloop.models.config import ModelConfig
 from tokenloop.models.gguf_loader import config_from_gguf, iter_gguf_weights, quantized_layouts
 from tokenloop.models.gguf_metadata import open_gguf, read_metadata
 from tokenloop.models.hf_loader import config_from_folder, iter_safetensors_weights
-from tokenloop.models.huge_pages import advise_huge_pages
+from tokenloop.models.huge_pages import allocate_in_huge_pages
 from tokenloop.models.layers import RotaryEmbedding
 from tokenloop.models.quant import Int8Embedding, QuantizedModule, QuantLayout
 from tokenloop.models.registry import model_class
@@ -116,10 +116,7 @@ def build_model(
         for module in {model.embed_tokens, model.lm_head}:
             if not isinstance(module, Int8Embedding):
                 module.to(torch.bfloat16)
-    # model.to_empty, but by factory functions: empty_like on a meta tensor runs a Python reference that imports
-    # sympy (32 MB resident for nothing).
-    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
-    advise_huge_pages(model.state_dict().values())  # before load_weights first writes them
+    allocate_in_huge_pages(model, torch.device(device))  # before load_weights first writes them
     model.tie_weights()
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):  # its tables are computed, not loaded
