@@ -271,7 +271,14 @@ def best_result(runs: list[EngineResult], statistic: str = "best") -> EngineResu
 
 def memory_bandwidth_gbs() -> float:
     """Copy bandwidth of a 512 MiB tensor (bytes read + written per second): the ceiling for a decode step. In
-    huge pages where the system has them, as the weights are (a 4 KiB-paged copy reads a few percent lower)."""
+    huge pages where the system has them, as the weights are (a 4 KiB-paged copy reads a few percent lower). In a
+    child process: its 1 GiB of buffers would be this process's peak RSS, which every engine child started after
+    it would report as its own (Linux keeps the peak across fork and exec)."""
+    code = "from tokenloop.bench.offline import _copy_gbs; print(_copy_gbs())"
+    return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
+def _copy_gbs() -> float:
     src = torch.empty(128 * 2**20)
     dst = torch.empty_like(src)
     advise_huge_pages([src, dst])
