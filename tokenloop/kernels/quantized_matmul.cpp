@@ -515,15 +515,16 @@ constexpr int64_t kOneBlockRows = 64;
 // rows(lanes, tile, first row group, kRows, out, n) with lanes Wide (two row groups at once, where built with
 // AVX-512) or Lanes8 (the odd last one). Activation rows go in blocks of about 16 KiB, each block against all of
 // a chunk's weight rows, so that the block stays in L1 while the weights stream through (prefill: about 9% less
-// time at 1,024 rows). A product bound by memory goes in 2 chunks per thread, not 8: each chunk's weights are
-// one stream from memory, and the shorter the streams the more of their time is the ramp up to full speed (a
-// Gemma 3 decode step's layers took about 10% less time; a thread that loses its core still leaves work to take).
+// time at 1,024 rows). A product bound by memory goes in one chunk per thread, not 8: each chunk's weights are
+// one stream from memory, and every stream starts below full speed, which a one-row product of a few hundred KB
+// pays at each chunk (SmolLM2's decode step gained with each halving down to one; with a core taken by another
+// process, one chunk a thread held up as well as two).
 template <typename Wide, typename Rows>
 void matmul_lanes(const Activations& x, int64_t m, int64_t row_groups, float* y, Rows&& rows) {
   constexpr int64_t kStep = Wide::kRowGroups;
   const int64_t n = row_groups * 8, units = (row_groups + kStep - 1) / kStep;
   const int64_t block_rows = m <= kOneBlockRows ? m : std::max<int64_t>(4, 16384 / x.k / 4 * 4);
-  parallel_chunks(units, chunk_size(units, 4 / kStep, m < kWideMinRows ? 2 : 8), [&](int64_t begin, int64_t end) {
+  parallel_chunks(units, chunk_size(units, 4 / kStep, m < kWideMinRows ? 1 : 8), [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < m; r0 += block_rows) {
       const Activations block = x.from_row(r0);
       for (int64_t rg = begin * kStep; rg < std::min(end * kStep, row_groups); rg += kStep)
