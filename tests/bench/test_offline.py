@@ -65,9 +65,22 @@ def test_runs_go_in_rounds_of_one_run_per_engine(monkeypatch):
 
     monkeypatch.setattr(offline, "run_engine", run)
     cfg = BenchConfig("m.gguf")
-    results = offline.best_of_rounds([("tokenloop", cfg), ("llama-bench", cfg)], repeats=3)
-    assert calls == [("tokenloop", 1), ("llama-bench", 1)] * 3
-    assert [r.decode_tps for r in results] == [5.0, 6.0]  # each engine's best: its last round here
+    results = offline.best_of_rounds(
+        [("tokenloop", cfg), ("llama-bench", cfg)], repeats=3, after_round=lambda: calls.append(("copy", None))
+    )
+    assert calls == [("tokenloop", 1), ("llama-bench", 1), ("copy", None)] * 3
+    assert [r.decode_tps for r in results] == [7.0, 8.0]  # each engine's best: its last round here
+
+
+def test_the_memory_copy_leaves_this_process_its_peak_rss():
+    """The copy's 1 GiB runs in a child: Linux hands a process's peak RSS on to every child it starts after."""
+    import resource
+
+    from tokenloop.bench.offline import memory_bandwidth_gbs
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert memory_bandwidth_gbs() > 0
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 256 * 1024  # KiB
 
 
 def test_an_engines_runs_give_its_best_figures():

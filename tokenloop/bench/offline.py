@@ -422,8 +422,8 @@ def main_from_args(args: argparse.Namespace) -> int:
     engines = ["tokenloop"] + [e for e in args.engines.split(",") if e in ENGINES and e != "tokenloop"]
     if cfg.compile:
         build_compiled_package(cfg.model, cfg.dtype)
-    # The copy once a round, in the same spells as the decodes it is held against (this machine's copy figure has
-    # moved between 30 and 53 GB/s within an hour), summarised as they are.
+    # The copy once a round, in the same spells as the decodes it is held against (a shared machine's copy speed
+    # moves with its neighbours' load), summarised as they are.
     copies: list[float] = []
     results = best_of_rounds(
         [(e, cfg) for e in engines], cfg.repeats, cfg.statistic, lambda: copies.append(memory_bandwidth_gbs())
