@@ -241,22 +241,23 @@ def best_of_rounds(
     return [best_result(list(results), statistic) for results in zip(*rounds)]
 
 
+def summary(values: list[float], statistic: str, pick=max) -> float:
+    """Repeated measurements as one figure: their median (`statistic` "median"), else the best by `pick`."""
+    return statistics.median(values) if statistic == "median" else pick(values)
+
+
 def best_result(runs: list[EngineResult], statistic: str = "best") -> EngineResult:
     """One engine's runs as one result: the highest rates and the shortest time to first token (`statistic`
     "median": the median of each), the highest peak RSS (the memory it needs); a failed run, if any, instead."""
     if failed := next((r for r in runs if r.error is not None), None):
         return failed
-    median = statistic == "median"
-
-    def summary(values: list[float], pick=max) -> float:
-        return statistics.median(values) if median else pick(values)
 
     def best(field: str, pick=max):
         values = [getattr(r, field) for r in runs if getattr(r, field) is not None]
-        return summary(values, pick) if values else None
+        return summary(values, statistic, pick) if values else None
 
     batches = [r.batch_tps for r in runs if r.batch_tps]
-    batch = {size: summary([b[size] for b in batches]) for size in batches[0]} if batches else None
+    batch = {size: summary([b[size] for b in batches], statistic) for size in batches[0]} if batches else None
     return replace(
         runs[0],
         decode_tps=best("decode_tps"),
@@ -430,7 +431,7 @@ def main_from_args(args: argparse.Namespace) -> int:
     )
     if args.busy_core:
         add_busy_core_decode(results, cfg)
-    table = format_table(results, cfg, statistics.median(copies) if cfg.statistic == "median" else max(copies))
+    table = format_table(results, cfg, summary(copies, cfg.statistic))
     print(table)
     if args.record:
         record.save("offline", table)
