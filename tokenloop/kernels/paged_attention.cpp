@@ -601,6 +601,12 @@ inline void with_tile(int64_t rows, Fn&& fn) {
 // head h; row r is position i0 + r / group, query head h * group + r % group.
 struct Rows {
   int64_t entry, h, i0, i1;
+
+  int64_t count(int64_t group) const { return (i1 - i0) * group; }
+  // Where row r is in a [T, heads, d] tensor whose token rows are `stride` floats apart (e: the rows' entry).
+  int64_t offset(const Entry& e, int64_t r, int64_t group, int64_t d, int64_t stride) const {
+    return (e.row + i0 + r / group) * stride + (h * group + r % group) * d;
+  }
 };
 
 // The partitions of rows' contexts: from the one holding the first row's lowest visible key to the last row's.
@@ -610,15 +616,14 @@ inline int64_t end_partition(const Entry& e, const Rows& rows) { return (e.first
 // The queries of `rows`, packed for the products, and the scratch sized for them.
 template <typename P>
 int64_t pack_rows(const float* q, int64_t q_row_stride, const Entry& e, const Rows& rows, int64_t group, int64_t d, Scratch<P>& s) {
-  const int64_t n = (rows.i1 - rows.i0) * group, qe = P::query_elems(d);
+  const int64_t n = rows.count(group), qe = P::query_elems(d);
   constexpr int64_t kTile = std::max(P::kScoreRows, P::kOutputRows);
   const int64_t padded = (n + kTile - 1) / kTile * kTile;  // whole tiles of either size
   s.q.assign(padded * qe, 0);
   s.p.assign(padded * P::kProbElems, 0);
   s.scores.resize(padded * kKeys);
   s.rescale.resize(padded);
-  for (int64_t r = 0; r < n; ++r)
-    P::pack_query(q + (e.row + rows.i0 + r / group) * q_row_stride + (rows.h * group + r % group) * d, d, s.q.data() + r * qe);
+  for (int64_t r = 0; r < n; ++r) P::pack_query(q + rows.offset(e, r, group, d, q_row_stride), d, s.q.data() + r * qe);
   return n;
 }
 
@@ -626,17 +631,17 @@ int64_t pack_rows(const float* q, int64_t q_row_stride, const Entry& e, const Ro
 template <typename P>
 void attend_partition(const typename P::Cached* k_cache, const typename P::Cached* v_cache, const Entry& e, const Cache& c, const Rows& rows,
                       int64_t group, int64_t part, float scale, Scratch<P>& s) {
-  const int64_t d = c.d, n = (rows.i1 - rows.i0) * group, qe = P::query_elems(d), end = e.first + rows.i1;
+  const int64_t d = c.d, n = rows.count(group), qe = P::query_elems(d);
   const int64_t padded = static_cast<int64_t>(s.rescale.size());
   s.part.reset(padded, d);
   std::fill(s.part.out.begin(), s.part.out.end(), 0.f);
   std::fill(s.rescale.begin(), s.rescale.end(), 1.f);
-  const int64_t lo = std::max(lowest_key(e.first + rows.i0, c.window), part * kPartitionKeys) / kKeys;
-  const int64_t hi = std::min(end, (part + 1) * kPartitionKeys);
-  for (int64_t block = lo; block * kKeys < hi; ++block) {
+  const int64_t first_block = std::max(lowest_key(e.first + rows.i0, c.window), part * kPartitionKeys) / kKeys;
+  const int64_t end_key = std::min(e.first + rows.i1, (part + 1) * kPartitionKeys);
+  for (int64_t block = first_block; block * kKeys < end_key; ++block) {
     const int64_t key0 = block * kKeys;
     const KeyBlock<typename P::Cached> b = key_block(k_cache, v_cache, e, c, rows.h, block);
-    if ((block + kAhead) * kKeys < hi) prefetch_block(key_block(k_cache, v_cache, e, c, rows.h, block + kAhead), c);
+    if ((block + kAhead) * kKeys < end_key) prefetch_block(key_block(k_cache, v_cache, e, c, rows.h, block + kAhead), c);
     with_tile<P::kScoreRows>(n, [&](auto tile) {
       constexpr int kRows = decltype(tile)::value;
       for (int64_t r = 0; r < n; r += kRows) P::template score_tile<kRows>(s.q.data() + r * qe, b, c.block_size, d, scale, s.scores.data() + r * kKeys);
@@ -670,8 +675,8 @@ void attend_partition(const typename P::Cached* k_cache, const typename P::Cache
 
 // The rows' outputs from all their partitions folded: out / sum.
 inline void write_rows(const Entry& e, const Rows& rows, int64_t group, int64_t d, int64_t out_row_stride, const Folded& folded, float* y) {
-  for (int64_t r = 0; r < (rows.i1 - rows.i0) * group; ++r) {
-    float* row = y + (e.row + rows.i0 + r / group) * out_row_stride + (rows.h * group + r % group) * d;
+  for (int64_t r = 0; r < rows.count(group); ++r) {
+    float* row = y + rows.offset(e, r, group, d, out_row_stride);
     const float inverse = 1.f / folded.sum[r];
     for (int64_t i = 0; i < d; ++i) row[i] = folded.out[r * d + i] * inverse;
   }
@@ -721,7 +726,7 @@ void attention(const float* q, int64_t q_row_stride, int64_t heads, const typena
     first_item.push_back(static_cast<int64_t>(items.size()));
     for (int64_t part = end_partition(e, rows) - 1; part >= first_partition(e, rows, c); --part) {  // the latest keys first
       items.push_back({n, part, size});
-      size += (rows.i1 - rows.i0) * group * (d + 2);
+      size += rows.count(group) * (d + 2);
     }
   }
   first_item.push_back(static_cast<int64_t>(items.size()));
@@ -743,7 +748,7 @@ void attention(const float* q, int64_t q_row_stride, int64_t heads, const typena
   Folded folded;
   for (int64_t n = 0; n < static_cast<int64_t>(all_rows.size()); ++n) {
     const Rows& rows = all_rows[n];
-    const int64_t count = (rows.i1 - rows.i0) * group;
+    const int64_t count = rows.count(group);
     folded.reset(count, d);
     for (int64_t i = first_item[n + 1] - 1; i >= first_item[n]; --i) {  // items were made latest partition first
       const float* partial = partials.data() + items[i].offset;
