@@ -10,9 +10,12 @@ grammars live once, behind this.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
+import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 from fastapi import Request
@@ -135,6 +138,15 @@ async def _last_outputs(streams: list[AsyncIterator[RequestOutput]]) -> list[Req
         return list(await asyncio.gather(*(last(s) for s in streams)))
     except RequestFailed as e:
         raise APIError(500, f"the engine failed this request: {e}") from None
+
+
+async def imported(module: str) -> ModuleType:
+    """`module`, imported on a worker thread the first time: the SDK-shaped APIs build their replies with their
+    SDK's types (anthropic_reply.py, responses_output.py), tens of MiB resident and up to a second of importing,
+    which a server pays only once such a request comes, and without stalling the streams already running."""
+    if (loaded := sys.modules.get(module)) is not None:
+        return loaded
+    return await asyncio.to_thread(importlib.import_module, module)
 
 
 def params_or_400(make):
