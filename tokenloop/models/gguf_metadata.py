@@ -12,8 +12,10 @@ import numpy as np
 class _Reader(gguf.GGUFReader):
     """gguf's reader with metadata arrays parsed whole. gguf parses an array element by element, each through a
     few numpy views: a 262k-token vocabulary (its tokens, scores and types) took most of Gemma 3's load.
-    An array of numbers becomes one part; an array of strings one part per string (its bytes, without the length
-    gguf keeps beside them): what read_metadata reads. The tensors are gguf's own."""
+    An array of numbers becomes one part; an array of strings one part per string, its bytes (without the length
+    gguf keeps beside them) copied out of the map: a slice of the memmap per string, a vocabulary's and its merges'
+    100k of them, held 50 MiB of numpy objects at the peak of loading. read_metadata reads these parts; the tensors
+    are gguf's own."""
 
     def _get_field_parts(self, orig_offs: int, raw_type: int):
         if gguf.GGUFValueType(raw_type) != gguf.GGUFValueType.ARRAY or self.byte_order != "I":
@@ -28,7 +30,7 @@ class _Reader(gguf.GGUFReader):
             raw = memoryview(self.data)
             for _ in range(n):
                 size = int.from_bytes(raw[offs : offs + 8], "little")
-                parts.append(self.data[offs + 8 : offs + 8 + size])
+                parts.append(bytes(raw[offs + 8 : offs + 8 + size]))
                 offs += 8 + size
         else:  # arrays of arrays: gguf's own parse
             return super()._get_field_parts(orig_offs, raw_type)
@@ -54,7 +56,7 @@ def _value(field: gguf.ReaderField) -> Any:
     if len(field.types) == 2 and field.types[0] == gguf.GGUFValueType.ARRAY:
         parts = [field.parts[i] for i in field.data]
         if field.types[1] == gguf.GGUFValueType.STRING:
-            return [p.tobytes().decode("utf-8", errors="replace") for p in parts]
+            return [bytes(p).decode("utf-8", errors="replace") for p in parts]
         if field.types[1] != gguf.GGUFValueType.ARRAY:
             return np.concatenate(parts).tolist() if parts else []
     return field.contents()

@@ -101,8 +101,10 @@ class Tokenizer:
         only lengthens text (none, Prepend, or a String replaced by one at least as long in bytes) and no unknown
         token swallows what the vocabulary lacks (none, or bytes to fall back on); else the bound is 0."""
         if self._max_token_bytes is None:
-            spec = json.loads(self.backend.to_str())
-            normalizer, model = spec.get("normalizer"), spec.get("model", {})
+            # the normalizer's and the model's own settings: the whole tokenizer's JSON, vocabulary and merges
+            # included, is megabytes of Python objects for these few fields
+            normalizer = self.backend.normalizer
+            normalizer = None if normalizer is None else json.loads(normalizer.__getstate__())
             steps = [] if normalizer is None else normalizer.get("normalizers", [normalizer])
             lengthens = all(
                 step["type"] == "Prepend"
@@ -113,7 +115,8 @@ class Tokenizer:
                 )
                 for step in steps
             )
-            unknown = model.get("unk_token") is not None and not model.get("byte_fallback", False)
+            model = self.backend.model
+            unknown = getattr(model, "unk_token", None) is not None and not getattr(model, "byte_fallback", False)
             size = self.backend.get_vocab_size(with_added_tokens=True)
             longest = max(len(self.backend.decode([i], skip_special_tokens=False).encode()) for i in range(size))
             self._max_token_bytes = longest + 1 if lengthens and not unknown else 0
