@@ -10,8 +10,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import httpx
-
 # 91 prompt tokens with SmolLM2's tokenizer; fixed so that runs and servers compare like for like.
 DEFAULT_PROMPT = (
     "The old lighthouse keeper climbed the spiral stairs every evening, counting each of the one hundred and "
@@ -34,6 +32,8 @@ def build_compiled_package(model: str, dtype: str, kv_cache_dtype: str = "auto")
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 900) -> None:
+    import httpx
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

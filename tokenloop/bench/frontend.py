@@ -21,12 +21,14 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
-
-import httpx
+from typing import TYPE_CHECKING
 
 from tokenloop.bench import record
 from tokenloop.bench.common import DEFAULT_PROMPT, build_compiled_package, serving
 from tokenloop.bench.serve import percentile
+
+if TYPE_CHECKING:
+    import httpx
 
 QUIET_S = 3.0  # of stream before the first disturbance and after the last
 PAUSE_S = 1.0  # between disturbances
@@ -122,6 +124,8 @@ async def run(base_url: str, model: str, prompt_mb: float, num_fields: int) -> t
         ),
         (Disturbance(f"control: {CONTROL_S * 1e3:.0f} ms, no request (*)", goal=False), None, None),
     ]
+    import httpx
+
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
         tasks = [asyncio.create_task(_stream(client, model, timeline, stop))]
         while not timeline.tokens:

@@ -16,12 +16,14 @@ import asyncio
 import sys
 import time
 from dataclasses import dataclass, field
-
-import httpx
+from typing import TYPE_CHECKING
 
 from tokenloop.bench import record
 from tokenloop.bench.common import DEFAULT_PROMPT, build_compiled_package, metric_values, serving
 from tokenloop.bench.serve import RequestRecord, _stream_one, percentile
+
+if TYPE_CHECKING:
+    import httpx
 
 GOALS = {"itl_p99": 5.0, "ttft_p50": 2.2, "throughput": 0.8}
 
@@ -140,6 +142,8 @@ async def run_phase(
 async def run_load(base_url: str, model: str, prompts: list[list[int]], load: PDLoad, label: str) -> Run:
     url = f"{base_url}/v1/completions"
     run = Run(label)
+    import httpx
+
     limits = httpx.Limits(max_connections=load.streams + load.long_count + load.low_count + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         await _stream_one(client, url, {"model": model, "prompt": "Warm up.", "max_tokens": 4}, RequestRecord())

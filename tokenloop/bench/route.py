@@ -16,8 +16,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import httpx
-
 from tokenloop.bench import record
 from tokenloop.bench.common import DEFAULT_PROMPT, build_compiled_package, metric_values, serving
 from tokenloop.bench.serve import RequestRecord, _stream_one, percentile
@@ -104,6 +102,8 @@ async def run_load(base_url: str, model: str, prompts: list[list[int]], load: Ro
     async def one(prompt: list[int], r: RequestRecord) -> None:
         async with semaphore:
             await _stream_one(client, f"{base_url}/v1/completions", body | {"prompt": prompt}, r)
+
+    import httpx
 
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=load.concurrency + 2)) as client:
         start = time.perf_counter()
