@@ -12,6 +12,8 @@ from tokenloop.sampling.sampler import (
     apply_min_p,
     apply_top_k_top_p,
     argmax,
+    exponential_race,
+    random_sample,
 )
 
 sampler = Sampler()
@@ -118,6 +120,33 @@ def test_seeded_row_gives_the_same_tokens_alone_or_anywhere_in_a_batch(device):
     assert len(set(alone)) > 1
     for position in range(len(others) + 1):
         assert tokens(position, with_others=True) == alone
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_the_dense_race_draws_and_picks_as_the_listed_one(data):
+    """random_sample races a row in place, exponential_race over its listed support: the same draws from each
+    row's generator, the same winner, whether a row keeps every token or few."""
+    rows, vocab = data.draw(st.integers(1, 6)), data.draw(st.integers(1, 300))
+    probs = torch.rand(rows, vocab, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 2**16))))
+    for row in range(rows):
+        cut = data.draw(st.sampled_from(["none", "some", "all but one", "uniform"]))
+        if cut == "some":
+            probs[row, torch.rand(vocab) < 0.7] = 0.0
+        elif cut == "all but one":
+            probs[row] = 0.0
+            probs[row, data.draw(st.integers(0, vocab - 1))] = 1.0
+        elif cut == "uniform":
+            probs[row] = 0.5
+    probs[:, 0] = torch.where(probs.sum(-1) == 0, 1.0, probs[:, 0])  # every row races at least one token
+    seeds = data.draw(st.lists(st.integers(0, 2**31), min_size=rows, max_size=rows))
+
+    def generators() -> list[torch.Generator]:
+        return [torch.Generator().manual_seed(seed) for seed in seeds]
+
+    dense, sparse = generators(), generators()
+    for _ in range(3):  # and the generators stay in step draw after draw
+        assert torch.equal(random_sample(probs, dense), exponential_race(probs, sparse)[0])
 
 
 @settings(max_examples=40, deadline=None)
