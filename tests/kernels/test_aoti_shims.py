@@ -10,7 +10,15 @@ import torch
 from tokenloop import kernels
 
 pytestmark = pytest.mark.skipif(kernels._unsupported_reason() is not None, reason="no CPU kernels here")
-SAMPLER_OPS = {"argmax", "softmax_normalizers", "scaled_softmax", "top_candidates"}  # run eager, outside the step
+SAMPLER_OPS = {  # run eager, outside the step
+    "argmax",
+    "softmax_normalizers",
+    "scaled_softmax",
+    "top_candidates",
+    "exponential_race",
+    "race_exponentials",
+    "racing_rows",
+}
 
 
 def c_type(arg: torch._C.Argument) -> str:

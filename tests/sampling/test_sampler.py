@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tokenloop import kernels
 from tokenloop.sampling.params import SamplingParams
 from tokenloop.sampling.sampler import (
     Sampler,
@@ -13,6 +14,7 @@ from tokenloop.sampling.sampler import (
     apply_top_k_top_p,
     argmax,
     exponential_race,
+    race_exponentials,
     random_sample,
 )
 
@@ -147,6 +149,32 @@ def test_the_dense_race_draws_and_picks_as_the_listed_one(data):
     dense, sparse = generators(), generators()
     for _ in range(3):  # and the generators stay in step draw after draw
         assert torch.equal(random_sample(probs, dense), exponential_race(probs, sparse)[0])
+
+
+@pytest.mark.skipif(not kernels.cpu_kernels_available(), reason="no CPU kernels here")
+def test_the_kernels_draws_follow_the_definition_the_torch_ops_give(monkeypatch):
+    """Where the kernels do not run, torch ops compute the race's draws: the same hash, a log that may round the
+    other way in the last bit, and the same winners."""
+    generator = torch.Generator().manual_seed(0)
+    seeds = torch.randint(0, 2**62, (40,), generator=generator)
+    rows, ids = torch.randint(0, 40, (200_000,), generator=generator), torch.randint(0, 2**31 - 1, (200_000,))
+    probs = torch.rand(40, 5000, generator=generator)
+    probs[::3, ::2] = 0.0
+    kernel_q = race_exponentials(seeds, rows, ids)
+    kernel_winners = random_sample(probs, [torch.Generator().manual_seed(i) for i in range(40)])
+    monkeypatch.setattr(kernels, "cpu_kernels_available", lambda: False)
+    torch.testing.assert_close(race_exponentials(seeds, rows, ids), kernel_q, rtol=2.4e-7, atol=0)
+    assert torch.equal(random_sample(probs, [torch.Generator().manual_seed(i) for i in range(40)]), kernel_winners)
+
+
+def test_the_races_draws_are_exponential():
+    """q = -log(u) of hashed uniforms: mean and variance 1, no correlation between neighbouring tokens or rows."""
+    seeds = torch.randint(0, 2**62, (64,), generator=torch.Generator().manual_seed(3))
+    rows = torch.arange(64).repeat_interleave(20_000)
+    q = race_exponentials(seeds, rows, torch.arange(20_000).repeat(64)).view(64, 20_000).double()
+    assert abs(q.mean() - 1) < 0.01 and abs(q.var() - 1) < 0.02
+    assert abs(torch.corrcoef(torch.stack([q[:, :-1].flatten(), q[:, 1:].flatten()]))[0, 1]) < 0.01
+    assert abs(torch.corrcoef(torch.stack([q[:-1].flatten(), q[1:].flatten()]))[0, 1]) < 0.01
 
 
 @settings(max_examples=40, deadline=None)

@@ -303,36 +303,60 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 def random_sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """Sample one token per row of probs [B, V] by the exponential race: argmax(probs / q), q ~ Exp(1), same law as
-    multinomial. exponential_race's draws and winners, raced in place: a row keeps its whole vocabulary at
-    temperature alone, and listing it as exponential_race does takes [B * V, 2] indices and several [B * V]
-    temporaries."""
+    multinomial, raced row by row in place (a row keeps its whole vocabulary at temperature alone). The same draws
+    and winners as exponential_race over the row's listed support."""
+    if _kernel_races(probs):
+        probs = probs.contiguous()
+        _checked(torch.ops.tokenloop.racing_rows(probs).tolist())
+        return torch.ops.tokenloop.exponential_race(probs, race_seeds(generators))
     racing = probs > 0  # a NaN is not a probability
-    counts = _checked(racing.sum(dim=-1).tolist())
-    keys = torch.empty_like(probs)
-    for row, (count, generator) in enumerate(zip(counts, generators)):
-        q = _draws(count, generator, probs)
-        if count == probs.shape[1]:
-            torch.div(probs[row], q, out=keys[row])
-        else:  # the tokens that do not race get a key below every racing one's (p / q > 0)
-            keys[row].fill_(-1.0)
-            keys[row][racing[row]] = probs[row][racing[row]] / q
+    _checked(racing.any(dim=-1).tolist())
+    seeds = race_seeds(generators).to(probs.device)
+    rows, ids = torch.arange(probs.shape[0], device=probs.device), torch.arange(probs.shape[1], device=probs.device)
+    q = race_exponentials(seeds, rows[:, None].expand_as(probs).reshape(-1), ids.repeat(probs.shape[0]))
+    keys = torch.where(racing, probs / q.view_as(probs), -1.0)  # below every racing key (p / q >= 0)
     return argmax(keys)  # the first of equal keys: the lowest id, as exponential_race takes it
 
 
-def _checked(counts: list[int]) -> list[int]:
-    """Each row's number of racing tokens, refused before any row draws if one has none."""
-    if 0 in counts:
+def _kernel_races(probs: torch.Tensor) -> bool:
+    return probs.device.type == "cpu" and probs.dtype == torch.float32 and kernels.cpu_kernels_available()
+
+
+def _checked(racing: list[bool]) -> None:
+    """Refuses a row with no token to race, before any row draws."""
+    if not all(racing):
         raise ValueError(
-            f"row {counts.index(0)} has no token of nonzero probability to sample: its logits are all -inf or NaN"
+            f"row {racing.index(False)} has no token of nonzero probability to sample: its logits are all -inf or NaN"
         )
-    return counts
 
 
-def _draws(count: int, generator: torch.Generator | None, like: torch.Tensor) -> torch.Tensor:
-    """A row's exponentials, one per racing token in ascending id order, from its own generator: -log(u) for u
-    uniform in [0, 1), so q > 0 (u = 0 makes q = inf, a key of 0 that never wins). torch's exponential_ draws the
-    same law five times slower on a CPU, where a 32-row step's draws over a whole vocabulary outlasted its forward."""
-    return torch.empty(count, dtype=like.dtype, device=like.device).uniform_(generator=generator).log_().neg_()
+def race_seeds(generators: list[torch.Generator | None]) -> torch.Tensor:
+    """[B] int64: each row's seed for this step's race, one draw from its generator (None: the default one)."""
+    return torch.stack([torch.empty((), dtype=torch.int64).random_(generator=g) for g in generators])
+
+
+def race_exponentials(seeds: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """q [N] of the listed tokens ids [N] of rows [N] (seeds [R] int64, race_seeds'): -log(u) for u the token's
+    uniform in [0, 1), a hash of its id and its row's seed (kernels/exponential_race.cpp, whose definition this
+    follows where the kernels do not run)."""
+    if kernels.cpu_kernels_available() and ids.device.type == "cpu":
+        return torch.ops.tokenloop.race_exponentials(seeds, rows, ids)
+    a = _mix(seeds & _LOW)
+    b = _mix((seeds >> 32) ^ a)
+    h = _mix((_mix(ids ^ a[rows]) + b[rows]) & _LOW)
+    return -torch.log((h >> 8).float() * 2.0**-24)
+
+
+_LOW = 0xFFFFFFFF
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """The kernel's lowbias32 on int64 tensors holding 32-bit values."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _LOW
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _LOW
+    return x ^ (x >> 16)
 
 
 def exponential_race(
@@ -341,19 +365,19 @@ def exponential_race(
     support: torch.Tensor | None = None,
     support_probs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows [B, V] race their tokens of nonzero probability only (top-k, top-p and min-p leave few), in ascending
-    id order, each drawing its q from its own generator (or the default one): a row's tokens do not depend on the
-    batch. `support`, `support_probs`: those tokens and their probabilities if known (top_k_top_p_support's; then
-    `probs` may be None), else those of probs > 0. Returns the winners [B], and the racing tokens as
-    (row, id) pairs [N, 2] with their q [N]."""
+    """Rows [B, V] race their tokens of nonzero probability only (top-k, top-p and min-p leave few), each token's q
+    drawn from its id and its row's seed for the step (race_seeds: one draw from the row's own generator, or the
+    default one): a row's tokens do not depend on the batch. `support`, `support_probs`: those tokens and their
+    probabilities if known (top_k_top_p_support's; then `probs` may be None), else those of probs > 0. Returns the
+    winners [B], and the racing tokens as (row, id) pairs [N, 2] with their q [N]."""
     if support is None:
         support = (probs > 0).nonzero()  # [N, 2]: row by row, ids ascending (a NaN is not a probability)
     rows, ids = support[:, 0], support[:, 1]
     if support_probs is None:
         support_probs = probs[rows, ids]
     num_rows = len(generators)
-    counts = _checked(torch.bincount(rows, minlength=num_rows).tolist())
-    q = torch.cat([_draws(count, generator, support_probs) for count, generator in zip(counts, generators)])
+    _checked((torch.bincount(rows, minlength=num_rows) > 0).tolist())
+    q = race_exponentials(race_seeds(generators).to(ids.device), rows, ids)
     keys = support_probs / q
     # Each row's largest key, the first (lowest id) of equal ones, as argmax takes it.
     best = torch.zeros(num_rows, dtype=keys.dtype, device=keys.device).scatter_reduce_(0, rows, keys, "amax")
