@@ -308,10 +308,10 @@ def random_sample(probs: torch.Tensor, generators: list[torch.Generator | None])
     if _kernel_races(probs):
         probs = probs.contiguous()
         _checked(torch.ops.tokenloop.racing_rows(probs).tolist())
-        return torch.ops.tokenloop.exponential_race(probs, race_seeds(generators))
+        return torch.ops.tokenloop.exponential_race(probs, race_seeds(generators, probs.device))
     racing = probs > 0  # a NaN is not a probability
     _checked(racing.any(dim=-1).tolist())
-    seeds = race_seeds(generators).to(probs.device)
+    seeds = race_seeds(generators, probs.device)
     rows, ids = torch.arange(probs.shape[0], device=probs.device), torch.arange(probs.shape[1], device=probs.device)
     q = race_exponentials(seeds, rows[:, None].expand_as(probs).reshape(-1), ids.repeat(probs.shape[0]))
     keys = torch.where(racing, probs / q.view_as(probs), -1.0)  # below every racing key (p / q >= 0)
@@ -330,9 +330,10 @@ def _checked(racing: list[bool]) -> None:
         )
 
 
-def race_seeds(generators: list[torch.Generator | None]) -> torch.Tensor:
-    """[B] int64: each row's seed for this step's race, one draw from its generator (None: the default one)."""
-    return torch.stack([torch.empty((), dtype=torch.int64).random_(generator=g) for g in generators])
+def race_seeds(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """[B] int64 on `device`: each row's seed for this step's race, one draw from its generator (None: the
+    device's default one)."""
+    return torch.stack([torch.empty((), dtype=torch.int64, device=device).random_(generator=g) for g in generators])
 
 
 def race_exponentials(seeds: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -377,7 +378,7 @@ def exponential_race(
         support_probs = probs[rows, ids]
     num_rows = len(generators)
     _checked((torch.bincount(rows, minlength=num_rows) > 0).tolist())
-    q = race_exponentials(race_seeds(generators).to(ids.device), rows, ids)
+    q = race_exponentials(race_seeds(generators, ids.device), rows, ids)
     keys = support_probs / q
     # Each row's largest key, the first (lowest id) of equal ones, as argmax takes it.
     best = torch.zeros(num_rows, dtype=keys.dtype, device=keys.device).scatter_reduce_(0, rows, keys, "amax")
