@@ -1,6 +1,11 @@
-"""The routers' choice on fixtures of replica states (scale_out/routing.py, no Ray needed)."""
+"""The routers' choice on fixtures of replica states (scale_out/routing.py, no Ray needed), and how the Serve
+router reads the replicas' reports (scale_out/routers.py)."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
 
 from tokenloop.engine.block_manager import BlockHasher
 from tokenloop.scale_out.routing import ReplicaView, choose_by_prefix, choose_round_robin
@@ -72,3 +77,20 @@ def test_a_shared_template_header_does_not_draw_every_new_prefix_to_one_replica(
     assert 5 <= where.count("r0") <= 15
     for hashes, name in zip(tenants, where):  # and each comes back to its own
         assert choose_by_prefix(hashes, replicas).order[0] == name
+
+
+def test_a_replica_that_has_not_reported_yet_is_routed_to_as_holding_nothing():
+    """A replica just started has empty routing stats: the router reads it as holding nothing and loaded by what
+    it sent there (a request arriving then once failed the router, and hung until its client gave up)."""
+    pytest.importorskip("ray.serve")
+    from tokenloop.scale_out.routers import PrefixRouter
+
+    router = PrefixRouter.__new__(PrefixRouter)  # the state alone, without a Serve deployment around it
+    router.initialize_state()
+    fresh = SimpleNamespace(replica_id=SimpleNamespace(unique_id="fresh"), routing_stats={})
+    reported = SimpleNamespace(
+        replica_id=SimpleNamespace(unique_id="reported"), routing_stats={"cached": [7], "in_flight": 2, "at": 1.0}
+    )
+    views = router._views([fresh, reported])
+    assert views["fresh"].cached == set() and views["fresh"].load == 0
+    assert views["reported"].cached == {7} and views["reported"].load == 2

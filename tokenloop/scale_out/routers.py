@@ -45,9 +45,10 @@ class _ReplicaViews(RequestRouter):
         for replica in candidates:
             name = replica.replica_id.unique_id
             view = self.views.setdefault(name, ReplicaView())
-            stats = replica.routing_stats or {}
-            if stats.get("at", 0.0) > self.reported_at.get(name, -1.0):  # a new report replaces the guesses
-                self.reported_at[name] = at = stats["at"]
+            stats = replica.routing_stats or {}  # empty until the replica's first report
+            at = stats.get("at")
+            if at is not None and at > self.reported_at.get(name, -1.0):  # a new report replaces the guesses
+                self.reported_at[name] = at
                 self.reported_load[name] = stats.get("in_flight", 0)
                 self.routed_since[name] = 0
                 view.cached = set(stats.get("cached", ()))
