@@ -37,7 +37,7 @@ def keep_freed_memory() -> bool:
     if not (
         mallopt(M_MMAP_THRESHOLD, KEEP_BYTES) and mallopt(M_TRIM_THRESHOLD, KEEP_BYTES) and mallopt(M_ARENA_MAX, 1)
     ):
-        logger.info("the C library refused malloc's thresholds: large host buffers are mapped afresh each step")
+        logger.info("the C library refused malloc's settings: large host buffers are mapped afresh each step")
         return False
     libc.malloc_trim(0)  # what loading freed inside the heap goes back now: from here on nothing is trimmed
     return True

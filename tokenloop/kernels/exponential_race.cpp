@@ -3,8 +3,8 @@
 // uniform, (hash(seed, i) >> 8) * 2^-24 in [0, 1), where the seed is the row's for this step (drawn from its
 // generator) and the hash a counter-based one: a token's q depends on its seed and id alone, so a row listed by its
 // support and the same row whole race alike, and rows run in any order on any thread. (u = 0 makes q = inf, a key of
-// 0 that never wins.) torch's exponential_ took 20 ns a value from one generator; here a row's 262k tokens are a pass
-// of integer mixing.
+// 0 that never wins.) torch's exponential_ draws value after value from one generator, serially for each row; here a
+// row's draws are a pass of integer mixing.
 //
 // Most tokens cannot win, and need no logarithm: -log(u) >= 1 - u, so p / q <= p / (1 - u), and a token whose bound
 // is below the best key so far (with a margin far wider than the roundings of the log and the division) is passed
@@ -138,18 +138,19 @@ at::Tensor race_exponentials(const at::Tensor& seeds, const at::Tensor& rows, co
   TORCH_CHECK(seeds.dim() == 1 && seeds.scalar_type() == at::kLong, "race_exponentials: seeds must be int64 [R]");
   TORCH_CHECK(rows.dim() == 1 && ids.dim() == 1 && rows.size(0) == ids.size(0) && rows.scalar_type() == at::kLong && ids.scalar_type() == at::kLong,
               "race_exponentials: rows and ids must be int64 [N]");
-  const at::Tensor r = rows.contiguous(), t = ids.contiguous();
-  const int64_t n = t.size(0), num_seeds = seeds.size(0);
-  at::Tensor q = at::empty({n}, seeds.options().dtype(at::kFloat));
-  const int64_t* s = seeds.data_ptr<int64_t>();
+  const at::Tensor sd = seeds.contiguous(), r = rows.contiguous(), t = ids.contiguous();
+  const int64_t n = t.size(0), num_seeds = sd.size(0);
+  at::Tensor q = at::empty({n}, sd.options().dtype(at::kFloat));
+  const int64_t* s = sd.data_ptr<int64_t>();
   const int64_t* rp = r.data_ptr<int64_t>();
   const int64_t* tp = t.data_ptr<int64_t>();
   float* out = q.data_ptr<float>();
   alignas(32) float u[8];
   for (int64_t i = 0; i < n; i += 8) {
     const int64_t lanes = std::min<int64_t>(8, n - i);
-    for (int64_t j = 0; j < 8; ++j) {
-      const int64_t e = i + std::min(j, lanes - 1);
+    std::fill(u, u + 8, 1.0f);  // lanes past the end: q = 0, not stored
+    for (int64_t j = 0; j < lanes; ++j) {
+      const int64_t e = i + j;
       TORCH_CHECK(rp[e] >= 0 && rp[e] < num_seeds, "race_exponentials: a row without a seed");
       u[j] = uniform(Keys(s[rp[e]]), tp[e]);
     }
