@@ -59,10 +59,13 @@ def seeded(seed: int, **changes) -> SamplingParams:
 
 
 # The requests each schedule is checked on: every prompt (10 to 100 tokens, four sharing a 27-token prefix) greedy
-# and seeded, with the chosen token's logprob and the top 3 at every step.
-REQUESTS: list[Request] = [(p, GREEDY) for p in [*PROMPTS, LONG]] + [
-    (p, seeded(100 + i)) for i, p in enumerate([*PROMPTS, LONG])
-]
+# and seeded, with the chosen token's logprob and the top 3 at every step; and one at temperature alone, whose
+# whole vocabulary races: in a step with it the top-p rows race in place too, without it from their listed support.
+REQUESTS: list[Request] = (
+    [(p, GREEDY) for p in [*PROMPTS, LONG]]
+    + [(p, seeded(100 + i)) for i, p in enumerate([*PROMPTS, LONG])]
+    + [(PROMPTS[2], seeded(120, temperature=1.0, top_p=1.0))]
+)
 # Requests whose sequences fork and share blocks: n = 4 seeded completions of one prompt, and beam searches.
 FORKED: list[Request] = [
     (PROMPTS[0], seeded(7, n=4, max_tokens=16)),
